@@ -1,0 +1,1 @@
+"""Data preparation: image sources, occlusion manifests, token shards (no dagster imports)."""

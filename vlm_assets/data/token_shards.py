@@ -1,0 +1,162 @@
+"""Token shards: a corpus tokenized with GPT-2 BPE, joined with EOS into fixed-length blocks, as MDS.
+
+Artifact layout::
+
+    tokens.json                 tokenizer, vocab size, EOS id, block length, sample/token counts
+    tokenizer/                  the tokenizer itself (``from_pretrained``-loadable)
+    train/ index.json shard.*.mds
+    val/   index.json shard.*.mds
+
+Each sample has ``input_ids`` and ``labels`` (``ndarray:int32``, ``max_length`` tokens, no padding;
+labels equal the inputs, the model shifts them). Documents are tokenized in batches with the fast
+(Rust) tokenizer and packed through one running buffer, so nothing is padded and no document is lost
+between blocks; the tail shorter than a block is dropped.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from vlm_assets._streaming import MDSWriter
+
+COLUMNS = {"input_ids": "ndarray:int32", "labels": "ndarray:int32"}
+_TOKENIZE_BATCH = 512
+
+
+def load_gpt2_tokenizer(name_or_path: str):
+    """GPT-2 BPE from a hub id (``gpt2``) or a local directory with ``vocab.json`` + ``merges.txt``."""
+    from transformers import GPT2TokenizerFast
+
+    try:
+        tokenizer = GPT2TokenizerFast.from_pretrained(name_or_path)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"tokenizer '{name_or_path}' cannot be loaded: {err}") from err
+    if tokenizer.eos_token_id is None or len(tokenizer) == 0:
+        raise ValueError(f"tokenizer '{name_or_path}' loaded without a vocabulary or EOS token")
+    tokenizer.model_max_length = 1 << 30  # we chunk ourselves; silence the 1024-token warning
+    return tokenizer
+
+
+def paragraphs_of_files(pattern: str) -> Iterator[str]:
+    """Documents of local text files: paragraphs (separated by blank lines), files in sorted order."""
+    files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+    if not files:
+        raise ValueError(f"text corpus '{pattern}' matches no files")
+    found = False
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not UTF-8 text ({err})") from err
+        for paragraph in text.split("\n\n"):
+            if paragraph.strip():
+                found = True
+                yield paragraph.strip()
+    if not found:
+        raise ValueError(f"text corpus '{pattern}': {len(files)} file(s), all empty")
+
+
+def hf_documents(dataset: str, config: str | None, split: str, column: str) -> Iterator[str]:
+    """Non-empty rows of a Hugging Face dataset split (wikitext: one paragraph or heading per row)."""
+    import datasets
+
+    try:
+        rows = datasets.load_dataset(dataset, config, split=split, streaming=True)
+    except Exception as err:  # datasets raises many types (hub, network, config): name the source
+        raise ValueError(f"dataset '{dataset}' ({config}, split '{split}') cannot be loaded: {err}") from err
+    for i, row in enumerate(rows):
+        if column not in row:
+            raise ValueError(f"dataset '{dataset}' row {i} has no column '{column}' (columns: {sorted(row)})")
+        if row[column].strip():
+            yield row[column]
+
+
+def split_documents(documents: Iterable[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Assign each document to val with probability ``val_fraction`` (seeded), else to train."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    docs = list(documents)
+    to_val = np.random.default_rng(seed).random(len(docs)) < val_fraction
+    return [d for d, v in zip(docs, to_val) if not v], [d for d, v in zip(docs, to_val) if v]
+
+
+def pack_blocks(tokenizer, documents: Iterable[str], max_length: int, max_samples: int | None) -> Iterator[np.ndarray]:
+    """Yield int32 blocks of ``max_length`` tokens from ``doc EOS doc EOS ...``."""
+    eos = tokenizer.eos_token_id
+    buffer = np.empty(0, np.int32)
+    emitted = 0
+    batch: list[str] = []
+
+    def flush(batch: list[str]) -> np.ndarray:
+        encoded = tokenizer(batch, add_special_tokens=False)["input_ids"]
+        return np.fromiter((t for ids in encoded for t in (*ids, eos)), np.int32)
+
+    def drain(buffer: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        n = len(buffer) // max_length
+        return [buffer[i * max_length:(i + 1) * max_length] for i in range(n)], buffer[n * max_length:]
+
+    for doc in documents:
+        batch.append(doc)
+        if len(batch) < _TOKENIZE_BATCH:
+            continue
+        blocks, buffer = drain(np.concatenate([buffer, flush(batch)]))
+        batch = []
+        for block in blocks:
+            if max_samples is not None and emitted >= max_samples:
+                return
+            emitted += 1
+            yield block
+    if batch:
+        blocks, _ = drain(np.concatenate([buffer, flush(batch)]))
+        for block in blocks:
+            if max_samples is not None and emitted >= max_samples:
+                return
+            emitted += 1
+            yield block
+
+
+def write_split(out_dir: Path, blocks: Iterable[np.ndarray], size_limit: int | str, desc: str) -> dict[str, int]:
+    num_samples = 0
+    with MDSWriter(out=str(out_dir), columns=COLUMNS, size_limit=size_limit) as writer:
+        for block in tqdm(blocks, desc=desc, unit=" blocks"):
+            writer.write({"input_ids": block, "labels": block})
+            num_samples += 1
+    if num_samples == 0:
+        raise ValueError(f"{desc}: the corpus is too short for one block of the requested length")
+    num_shards = len(json.loads((out_dir / "index.json").read_text())["shards"])
+    return {"num_samples": num_samples, "num_shards": num_shards}
+
+
+def write_token_shards(
+    out_dir: Path,
+    tokenizer,
+    tokenizer_name: str,
+    train_docs: Iterable[str],
+    val_docs: Iterable[str],
+    *,
+    max_length: int,
+    max_train_samples: int | None,
+    max_val_samples: int | None,
+    size_limit: int | str,
+) -> dict[str, Any]:
+    """Tokenize, pack and write both splits into ``out_dir``; returns the ``tokens.json`` summary."""
+    if max_length < 2:
+        raise ValueError(f"max_length must be at least 2, got {max_length}")
+    summary: dict[str, Any] = {
+        "tokenizer": tokenizer_name, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+        "max_length": max_length, "columns": COLUMNS, "splits": {},
+    }
+    for split, docs, limit in (("train", train_docs, max_train_samples), ("val", val_docs, max_val_samples)):
+        stats = write_split(out_dir / split, pack_blocks(tokenizer, docs, max_length, limit), size_limit,
+                            desc=f"{split} shards")
+        summary["splits"][split] = {**stats, "num_tokens": stats["num_samples"] * max_length}
+    tokenizer.save_pretrained(out_dir / "tokenizer")
+    (out_dir / "tokens.json").write_text(json.dumps(summary, indent=1))
+    return summary

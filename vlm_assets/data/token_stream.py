@@ -1,0 +1,74 @@
+"""Streaming token shards back for training: ``StreamingDataset`` + ``DataLoader`` helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from vlm_assets._streaming import StreamingDataset
+
+
+def collate_tokens(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Stack samples into int64 tensors; copies, since streaming hands out read-only arrays."""
+    return {
+        key: torch.from_numpy(np.stack([s[key] for s in samples]).astype(np.int64))
+        for key in ("input_ids", "labels")
+    }
+
+
+def token_dataset(uri: str, split: str, *, cache_dir: str | Path | None = None, batch_size: int,
+                  shuffle: bool = False, seed: int = 0) -> StreamingDataset:
+    """A ``StreamingDataset`` over ``<uri>/<split>``; ``uri`` is a local directory or ``s3://...``.
+
+    Remote shards are downloaded into ``cache_dir/<split>``: give every concurrent run its own
+    ``cache_dir`` (streaming keys its shared memory on the local path, so two runs on one path collide).
+    Streaming partitions samples across ranks itself (``WORLD_SIZE``/``RANK`` from torchrun), so a
+    distributed sampler must not be added on top.
+    """
+    if uri.startswith("s3://"):
+        if cache_dir is None:
+            raise ValueError("token_dataset: a cache_dir is required to stream from s3://")
+        remote, local = f"{uri.rstrip('/')}/{split}", str(Path(cache_dir) / split)
+    else:
+        remote, local = None, str(Path(uri) / split)
+        if not (Path(local) / "index.json").is_file():
+            raise FileNotFoundError(f"{local}: no MDS index.json (not a token shard split)")
+    return StreamingDataset(remote=remote, local=local, split=None, shuffle=shuffle, shuffle_seed=seed,
+                            batch_size=batch_size)
+
+
+@dataclasses.dataclass
+class TokenLoaders:
+    train: DataLoader
+    val: DataLoader
+    max_length: int
+    vocab_size: int
+
+
+def build_token_dataloaders(uri: str, local_dir: str | Path, *, batch_size: int, num_workers: int = 0,
+                            seed: int = 0) -> TokenLoaders:
+    """Train (shuffled) and val loaders over a ``token_shards`` artifact; ``local_dir`` is per run."""
+    summary_path = Path(local_dir) / "tokens.json" if uri.startswith("s3://") else Path(uri) / "tokens.json"
+    if uri.startswith("s3://") and not summary_path.is_file():
+        _download_summary(uri, summary_path)
+    summary = json.loads(summary_path.read_text())
+    loaders = {
+        split: DataLoader(
+            token_dataset(uri, split, cache_dir=local_dir, batch_size=batch_size, shuffle=(split == "train"), seed=seed),
+            batch_size=batch_size, num_workers=num_workers, collate_fn=collate_tokens,
+        )
+        for split in ("train", "val")
+    }
+    return TokenLoaders(loaders["train"], loaders["val"], summary["max_length"], summary["vocab_size"])
+
+
+def _download_summary(uri: str, target: Path) -> None:
+    from streaming.base.storage import download_file
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    download_file(f"{uri.rstrip('/')}/tokens.json", str(target), timeout=60)

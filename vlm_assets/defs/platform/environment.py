@@ -1,0 +1,60 @@
+"""The one place that chooses resources and the run profile from the environment.
+
+``VLM_ASSETS_STORE``    ``local`` (default: ``$VLM_ASSETS_HOME/artifacts``) or ``s3``
+                        (``VLM_ASSETS_S3_BUCKET``, ``VLM_ASSETS_S3_PREFIX``, ``AWS_ENDPOINT_URL``, AWS credentials)
+``MLFLOW_TRACKING_URI`` default ``sqlite:///$VLM_ASSETS_HOME/mlflow.db`` with artifacts in ``$VLM_ASSETS_HOME/mlruns``
+``VLM_ASSETS_PROFILE``  ``demo`` (default: offline real data, tiny models, CPU) or ``seed`` (full scale)
+"""
+
+import os
+from collections.abc import Mapping
+
+import dagster as dg
+from dagster_aws.s3 import S3Resource
+
+from vlm_assets.defs.platform.storage import LocalArtifactStoreResource, S3ArtifactStoreResource
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource
+from vlm_assets.paths import cache_dir, home_dir
+
+PROFILES = ("demo", "seed")
+
+
+def profile(env: Mapping[str, str] = os.environ) -> str:
+    name = env.get("VLM_ASSETS_PROFILE", "demo")
+    if name not in PROFILES:
+        raise ValueError(f"VLM_ASSETS_PROFILE={name!r}: expected one of {PROFILES}")
+    return name
+
+
+def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.ConfigurableResource]:
+    home = home_dir()
+    store_kind = env.get("VLM_ASSETS_STORE", "local")
+    if store_kind == "local":
+        store = LocalArtifactStoreResource(root=str(home / "artifacts"))
+    elif store_kind == "s3":
+        if not env.get("VLM_ASSETS_S3_BUCKET"):
+            raise ValueError("VLM_ASSETS_STORE=s3 needs VLM_ASSETS_S3_BUCKET")
+        store = S3ArtifactStoreResource(
+            bucket=env["VLM_ASSETS_S3_BUCKET"],
+            prefix=env.get("VLM_ASSETS_S3_PREFIX", "vlm_assets"),
+            cache_dir=str(cache_dir() / "s3"),
+            s3=S3Resource(
+                endpoint_url=env.get("AWS_ENDPOINT_URL"),
+                region_name=env.get("AWS_DEFAULT_REGION", "us-east-1"),
+                aws_access_key_id=dg.EnvVar("AWS_ACCESS_KEY_ID"),
+                aws_secret_access_key=dg.EnvVar("AWS_SECRET_ACCESS_KEY"),
+            ),
+        )
+    else:
+        raise ValueError(f"VLM_ASSETS_STORE={store_kind!r}: expected 'local' or 's3'")
+    tracking = MlflowTrackingResource(
+        tracking_uri=env.get("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}"),
+        experiment_name=env.get("MLFLOW_EXPERIMENT_NAME", "vlm_assets"),
+        artifact_location=env.get("VLM_ASSETS_MLFLOW_ARTIFACTS", (home / "mlruns").as_uri()),
+    )
+    return {"artifact_store": store, "mlflow": tracking}
+
+
+@dg.definitions
+def resources() -> dg.Definitions:
+    return dg.Definitions(resources=resources_for())

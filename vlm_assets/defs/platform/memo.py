@@ -1,0 +1,80 @@
+"""Memoized materialization: skip an asset whose artifact for the same inputs is already complete.
+
+Dagster re-runs every asset of a job. Here each asset computes a cache key from its code version, its
+resolved config and its upstream data versions (``vlm_assets.memo.cache_key``); if the artifact store
+holds a complete artifact under ``<asset>/<key>``, that artifact is returned at once with
+``cache: hit`` and the same data version. Otherwise the asset builds it in a staging directory inside
+an MLflow run and commits it atomically: a failure leaves the key empty and the run FAILED.
+"""
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.memo import cache_key
+from vlm_assets.storage import ArtifactRef, ArtifactStore
+
+
+@dataclasses.dataclass
+class Built:
+    """What an asset's build step reports: numbers for MLflow and Dagster, extra Dagster metadata."""
+
+    metrics: dict[str, float]
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def artifact_key(context: dg.AssetExecutionContext, config: dg.Config, upstream: Mapping[str, ArtifactRef]) -> str:
+    name = context.asset_key.to_user_string()
+    code_version = context.assets_def.code_versions_by_key[context.asset_key] or ""
+    versions = {k: ref.data_version for k, ref in upstream.items()}
+    return f"{name}/{cache_key(name, code_version, config.model_dump(), versions)}"
+
+
+def materialize_memoized(
+    context: dg.AssetExecutionContext,
+    *,
+    store: ArtifactStore,
+    mlflow: MlflowTrackingResource,
+    config: dg.Config,
+    build: Callable[[Path, TrackedRun], Built],
+    upstream: Mapping[str, ArtifactRef] | None = None,
+) -> dg.Output[ArtifactRef]:
+    upstream = upstream or {}
+    key = artifact_key(context, config, upstream)
+    started = time.perf_counter()
+    if store.exists(key):
+        ref = store.ref(key)
+        context.log.info(f"cache hit: {ref.uri} (data version {ref.data_version})")
+        return _output(ref, "hit", time.perf_counter() - started)
+
+    name = context.asset_key.to_user_string()
+    tags = {"dagster.run_id": context.run_id, "dagster.asset": name, "vlm_assets.cache_key": key}
+    with mlflow.start_run(run_name=name, tags=tags) as run:
+        run.log_params(config.model_dump())
+        with store.staging_dir(key) as staging:
+            built = build(staging, run)
+            run.log_metrics(built.metrics)
+            ref = store.commit(key, staging, metadata={
+                "metrics": built.metrics, "metadata": built.metadata, "config": config.model_dump(),
+                "mlflow_run_id": run.run_id, "upstream": {k: r.data_version for k, r in upstream.items()},
+            })
+    context.log.info(f"committed {ref.uri} (data version {ref.data_version})")
+    return _output(ref, "miss", time.perf_counter() - started)
+
+
+def _output(ref: ArtifactRef, cache: str, seconds: float) -> dg.Output[ArtifactRef]:
+    metadata: dict[str, Any] = {
+        "cache": cache,
+        "cache_key": ref.key,
+        "uri": dg.MetadataValue.path(ref.uri),
+        "mlflow_run_id": ref.metadata["mlflow_run_id"],
+        "seconds": round(seconds, 3),
+        **ref.metadata["metrics"],
+        **ref.metadata["metadata"],
+    }
+    return dg.Output(ref, data_version=dg.DataVersion(ref.data_version), metadata=metadata)

@@ -1,0 +1,35 @@
+"""Artifact store resources: one interface, a local-filesystem and an S3 implementation."""
+
+from abc import ABC, abstractmethod
+
+import dagster as dg
+from pydantic import Field
+from dagster_aws.s3 import S3Resource
+
+from vlm_assets.storage import ArtifactStore, LocalArtifactStore, S3ArtifactStore
+
+
+class ArtifactStoreResource(dg.ConfigurableResource, ABC):
+    """Where assets commit their artifacts (atomically; see ``vlm_assets.storage``)."""
+
+    @abstractmethod
+    def get_store(self) -> ArtifactStore: ...
+
+
+class LocalArtifactStoreResource(ArtifactStoreResource):
+    root: str = Field(description="Directory holding all artifacts (embedded default: var/artifacts).")
+
+    def get_store(self) -> ArtifactStore:
+        return LocalArtifactStore(self.root)
+
+
+class S3ArtifactStoreResource(ArtifactStoreResource):
+    """Any S3-compatible store: set ``s3.endpoint_url`` for MinIO, Ceph, R2, a local test server..."""
+
+    bucket: str = Field(description="Bucket holding the artifacts.")
+    prefix: str = Field(default="vlm_assets", description="Key prefix under the bucket.")
+    cache_dir: str = Field(description="Local directory for verified copies read back by assets.")
+    s3: S3Resource = Field(description="dagster-aws S3 client settings (endpoint_url, region, credentials).")
+
+    def get_store(self) -> ArtifactStore:
+        return S3ArtifactStore(self.s3.get_client(), self.bucket, self.prefix, cache_dir=self.cache_dir)

@@ -1,0 +1,109 @@
+"""MLflow tracking as a Dagster resource: a thin ``ConfigurableResource`` over ``MlflowClient``."""
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+from pydantic import Field, PrivateAttr
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}``: MLflow params are flat strings."""
+    flat: dict[str, str] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = str(value)
+    return flat
+
+
+@contextlib.contextmanager
+def _sqlite_migration_lock(tracking_uri: str) -> Iterator[None]:
+    """MLflow migrates a fresh sqlite store on first use; parallel steps doing so at once corrupt it."""
+    if not tracking_uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(tracking_uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class TrackedRun:
+    """One MLflow run: what assets log their params, metrics and figures to."""
+
+    def __init__(self, client: Any, run_id: str):
+        self.client = client
+        self.run_id = run_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        flat = flatten(params)
+        self.client.log_batch(self.run_id, params=[Param(k, v[:6000]) for k, v in flat.items()])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, path, artifact_path)
+
+    def log_figure(self, figure: Any, name: str) -> None:
+        self.client.log_figure(self.run_id, figure, name)
+
+
+class MlflowTrackingResource(dg.ConfigurableResource):
+    """MLflow tracking server or local store. The embedded default is ``sqlite:///var/mlflow.db``."""
+
+    tracking_uri: str = Field(description="MLflow tracking URI: sqlite:///path.db, http(s)://server, ...")
+    experiment_name: str = Field(default="vlm_assets", description="Experiment every run is logged under.")
+    artifact_location: str | None = Field(
+        default=None, description="Where a new experiment stores artifacts (a path or s3:// URI); server default if unset."
+    )
+    _client: Any = PrivateAttr(default=None)
+
+    def client(self):
+        if self._client is None:
+            from mlflow.tracking import MlflowClient
+
+            with _sqlite_migration_lock(self.tracking_uri):
+                client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+                client.search_experiments(max_results=1)  # creates/migrates the store now, under the lock
+            self._client = client
+        return self._client
+
+    def experiment_id(self) -> str:
+        client = self.client()
+        experiment = client.get_experiment_by_name(self.experiment_name)
+        if experiment is not None:
+            return experiment.experiment_id
+        return client.create_experiment(self.experiment_name, artifact_location=self.artifact_location)
+
+    @contextlib.contextmanager
+    def start_run(self, run_name: str, tags: Mapping[str, str] | None = None) -> Iterator[TrackedRun]:
+        """A run that ends FINISHED, or FAILED if the block raises."""
+        client = self.client()
+        run = client.create_run(self.experiment_id(), run_name=run_name, tags=dict(tags or {}))
+        tracked = TrackedRun(client, run.info.run_id)
+        try:
+            yield tracked
+        except BaseException:
+            client.set_terminated(run.info.run_id, status="FAILED")
+            raise
+        client.set_terminated(run.info.run_id, status="FINISHED")

@@ -1,0 +1,21 @@
+"""Where the embedded default keeps things, read from the environment when asked (never at import).
+
+``VLM_ASSETS_HOME``  artifacts, MLflow store, Dagster home (default ``./var`` of the working dir)
+``VLM_ASSETS_CACHE`` downloads and offline data (default ``~/.cache/vlm_assets``)
+"""
+
+import os
+from pathlib import Path
+
+
+def home_dir() -> Path:
+    return Path(os.environ.get("VLM_ASSETS_HOME", "var")).expanduser().resolve()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VLM_ASSETS_CACHE", "~/.cache/vlm_assets")).expanduser().resolve()
+
+
+def offline_data_dir() -> Path:
+    """Filled by ``scripts/fetch-offline-data.sh``."""
+    return cache_dir() / "offline-data"

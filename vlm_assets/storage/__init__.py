@@ -1,0 +1,21 @@
+"""Artifact stores: directories that become visible only once complete (no dagster imports)."""
+
+from vlm_assets.storage.artifact_store import (
+    ArtifactManifest,
+    ArtifactStore,
+    ArtifactNotFoundError,
+    ArtifactRef,
+    CorruptArtifactError,
+    LocalArtifactStore,
+)
+from vlm_assets.storage.s3_store import S3ArtifactStore
+
+__all__ = [
+    "ArtifactManifest",
+    "ArtifactNotFoundError",
+    "ArtifactRef",
+    "ArtifactStore",
+    "CorruptArtifactError",
+    "LocalArtifactStore",
+    "S3ArtifactStore",
+]
