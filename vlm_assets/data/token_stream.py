@@ -68,7 +68,7 @@ def build_token_dataloaders(uri: str, local_dir: str | Path, *, batch_size: int,
 
 
 def _download_summary(uri: str, target: Path) -> None:
-    from streaming.base.storage import download_file
+    from streaming.base.storage import CloudDownloader
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    download_file(f"{uri.rstrip('/')}/tokens.json", str(target), timeout=60)
+    CloudDownloader.direct_download(f"{uri.rstrip('/')}/tokens.json", str(target), timeout=60)

@@ -19,14 +19,14 @@ from vlm_assets.data.image_sources import (
     load_image_folder,
 )
 from vlm_assets.data.occlusion import BoxBounds, write_occlusion_manifests
-from vlm_assets.defs.platform.memo import Built, materialize_memoized
+from vlm_assets.defs.platform.memo import Built, ValidatedConfig, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.paths import cache_dir
 from vlm_assets.storage import ArtifactRef
 
 
-class OcclusionManifestsConfig(dg.Config):
+class OcclusionManifestsConfig(ValidatedConfig):
     source: Literal["cifar10", "fashion_mnist", "image_folder"] = Field(
         default="cifar10", description="Image source: the CIFAR-10 python tarball, Fashion-MNIST idx files, "
         "or a folder with train/ and test/ sub-folders of one folder per class.")
@@ -100,8 +100,6 @@ def occlusion_manifests(
     validation 28-45 % of each side by default), as ``train.jsonl`` / ``validation.jsonl`` manifests
     (image ref, label, prompt, box in pixels) plus the clean images packed at source resolution.
     Read them for training with ``vlm_assets.data.occlusion_dataset.OcclusionDataset``."""
-    config.check_values()
-
     def build(staging: Path, run: TrackedRun) -> Built:
         source = load_source(config)
         bounds = config.box_bounds()

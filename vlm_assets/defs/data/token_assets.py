@@ -14,13 +14,13 @@ from vlm_assets.data.token_shards import (
     split_documents,
     write_token_shards,
 )
-from vlm_assets.defs.platform.memo import Built, materialize_memoized
+from vlm_assets.defs.platform.memo import Built, ValidatedConfig, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.storage import ArtifactRef
 
 
-class TokenShardsConfig(dg.Config):
+class TokenShardsConfig(ValidatedConfig):
     source: Literal["hf", "text_files"] = Field(
         default="hf", description="A Hugging Face dataset (hf_* fields) or local text files (text_glob).")
     hf_dataset: str = Field(default="wikitext", description="Hugging Face dataset id.")
@@ -66,8 +66,6 @@ def token_shards(
     tokens (no padding), written as MosaicML MDS shards (``train/``, ``val/``; columns ``input_ids`` and
     ``labels`` as int32) plus the tokenizer. Stream it back with
     ``vlm_assets.data.token_stream.build_token_dataloaders``."""
-    config.check_values()
-
     def build(staging: Path, run: TrackedRun) -> Built:
         tokenizer = load_gpt2_tokenizer(config.tokenizer)
         if config.source == "text_files":

@@ -7,9 +7,10 @@ holds a complete artifact under ``<asset>/<key>``, that artifact is returned at 
 an MLflow run and commits it atomically: a failure leaves the key empty and the run FAILED.
 """
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,23 @@ import dagster as dg
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.memo import cache_key
 from vlm_assets.storage import ArtifactRef, ArtifactStore
+
+
+class ValidatedConfig(dg.Config):
+    """Config whose ``check_values`` raises ``ValueError`` naming the offending field."""
+
+    def check_values(self) -> None:
+        """Cross-field checks pydantic types cannot express; override per asset."""
+
+
+@contextlib.contextmanager
+def bad_input_fails_fast() -> Iterator[None]:
+    """Errors a user caused (bad config, corrupt or missing input) fail the step without retries:
+    retrying cannot fix them. Anything else propagates and the asset's RetryPolicy applies."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as err:
+        raise dg.Failure(description=f"{type(err).__name__}: {err}", allow_retries=False) from err
 
 
 @dataclasses.dataclass
@@ -40,11 +58,23 @@ def materialize_memoized(
     *,
     store: ArtifactStore,
     mlflow: MlflowTrackingResource,
-    config: dg.Config,
+    config: ValidatedConfig,
     build: Callable[[Path, TrackedRun], Built],
     upstream: Mapping[str, ArtifactRef] | None = None,
 ) -> dg.Output[ArtifactRef]:
-    upstream = upstream or {}
+    with bad_input_fails_fast():
+        config.check_values()
+        return _materialize(context, store, mlflow, config, build, upstream or {})
+
+
+def _materialize(
+    context: dg.AssetExecutionContext,
+    store: ArtifactStore,
+    mlflow: MlflowTrackingResource,
+    config: ValidatedConfig,
+    build: Callable[[Path, TrackedRun], Built],
+    upstream: Mapping[str, ArtifactRef],
+) -> dg.Output[ArtifactRef]:
     key = artifact_key(context, config, upstream)
     started = time.perf_counter()
     if store.exists(key):
@@ -53,7 +83,7 @@ def materialize_memoized(
         return _output(ref, "hit", time.perf_counter() - started)
 
     name = context.asset_key.to_user_string()
-    tags = {"dagster.run_id": context.run_id, "dagster.asset": name, "vlm_assets.cache_key": key}
+    tags = {"dagster.run_id": context.run.run_id, "dagster.asset": name, "vlm_assets.cache_key": key}
     with mlflow.start_run(run_name=name, tags=tags) as run:
         run.log_params(config.model_dump())
         with store.staging_dir(key) as staging:

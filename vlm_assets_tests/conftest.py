@@ -1,0 +1,165 @@
+"""Shared fixtures: real offline data, an isolated embedded default, a loopback S3 server."""
+
+import contextlib
+import functools
+import http.server
+import io
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def offline_data() -> Path:
+    """The real data of ../shared/OFFLINE-DATA.md, fetched by scripts/fetch-offline-data.sh."""
+    from vlm_assets.paths import offline_data_dir
+
+    root = offline_data_dir()
+    if not (root / ".complete").is_file():
+        pytest.fail(f"offline data missing in {root}: run scripts/fetch-offline-data.sh (scripts/test.sh does)")
+    return root
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> str:
+    """One sqlite MLflow store for the session (a fresh store takes seconds to migrate)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture
+def embedded(tmp_path, monkeypatch, mlflow_uri):
+    """An isolated embedded default: VLM_ASSETS_HOME, DAGSTER_HOME and artifact store under tmp_path."""
+    import dagster as dg
+
+    from vlm_assets.defs.platform.storage import LocalArtifactStoreResource
+    from vlm_assets.defs.platform.tracking import MlflowTrackingResource
+
+    monkeypatch.setenv("VLM_ASSETS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    resources = {
+        "artifact_store": LocalArtifactStoreResource(root=str(tmp_path / "artifacts")),
+        "mlflow": MlflowTrackingResource(tracking_uri=mlflow_uri, artifact_location=(tmp_path / "mlruns").as_uri()),
+    }
+    with dg.instance_for_test() as instance:
+        yield Embedded(resources, instance, tmp_path)
+
+
+class Embedded:
+    def __init__(self, resources, instance, tmp_path):
+        self.resources = resources
+        self.instance = instance
+        self.tmp_path = tmp_path
+
+    @property
+    def store(self):
+        return self.resources["artifact_store"].get_store()
+
+    def materialize(self, assets, run_config=None, raise_on_error=True, **resources):
+        import dagster as dg
+
+        return dg.materialize(assets, resources={**self.resources, **resources}, run_config=run_config or {},
+                              instance=self.instance, raise_on_error=raise_on_error)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's standalone S3 server as a separate process on loopback: real HTTP, real boto3 client."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("moto server did not start")
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    import uuid
+
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=name)
+    return client, name
+
+
+@contextlib.contextmanager
+def serve_directory(directory: Path):
+    """A loopback HTTP server for one directory; yields its base URL and a list of requested paths."""
+    requests = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            requests.append(self.path)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(directory)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", requests
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def real_cifar_images(offline: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The 20 real CIFAR-10 test images (32x32 RGB) and their labels."""
+    files = sorted((offline / "cifar10-samples").glob("cifar10_*.png"))
+    images = np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
+    labels = np.asarray([int(f.stem.split("_")[2]) for f in files])
+    return images, labels
+
+
+def write_cifar_tarball(path: Path, images: np.ndarray, labels: np.ndarray) -> Path:
+    """The official cifar-10-python.tar.gz layout: five train batches, a test batch, batches.meta.
+
+    Batches are built from the real images (cycled) so every class appears in train and test.
+    """
+    def batch(idx):
+        data = images[idx].transpose(0, 3, 1, 2).reshape(len(idx), -1)
+        return {b"data": data, b"labels": labels[idx].tolist(), b"batch_label": b"x", b"filenames": []}
+
+    n = len(images)
+    members = {f"data_batch_{i}": batch(np.arange(n)) for i in range(1, 6)}
+    members["test_batch"] = batch(np.arange(n)[::-1])
+    members["batches.meta"] = {b"label_names": [c.encode() for c in CIFAR10_CLASSES], b"num_cases_per_batch": n}
+    with tarfile.open(path, "w:gz") as tar:
+        for name, payload in members.items():
+            blob = pickle.dumps(payload)
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    return path
