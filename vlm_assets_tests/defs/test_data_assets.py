@@ -59,6 +59,7 @@ def test_manifests_memoized_and_tracked(embedded, offline_data, mlflow_uri):
     first = embedded.materialize(OCCLUSION, fmnist_config(offline_data))
     meta = materialization(first).metadata
     assert meta["cache"].value == "miss" and meta["num_train"].value == 200
+    assert meta["preview"].value.startswith("![first training images with their boxes](data:image/png;base64,")
     assert all(checks_passed(first).values()) and len(checks_passed(first)) == 4
 
     run = MlflowClient(mlflow_uri).get_run(meta["mlflow_run_id"].value)
@@ -66,6 +67,7 @@ def test_manifests_memoized_and_tracked(embedded, offline_data, mlflow_uri):
     assert run.data.params["num_train"] == "200" and run.data.params["train_box_min"] == "0.22"
     assert run.data.metrics["num_validation"] == 50
     assert run.data.tags["dagster.run_id"] == first.run_id
+    assert [a.path for a in MlflowClient(mlflow_uri).list_artifacts(run.info.run_id)] == ["preview.png"]
 
     second = embedded.materialize(OCCLUSION, fmnist_config(offline_data))
     meta2 = materialization(second).metadata
@@ -78,7 +80,7 @@ def test_manifests_memoized_and_tracked(embedded, offline_data, mlflow_uri):
     assert materialization(changed).metadata["cache"].value == "miss"
     assert materialization(changed).metadata["cache_key"].value != meta["cache_key"].value
 
-    bumped = occlusion_manifests.map_asset_specs(lambda spec: spec.replace_attributes(code_version="2"))
+    bumped = occlusion_manifests.map_asset_specs(lambda spec: spec.replace_attributes(code_version="bumped-in-test"))
     recomputed = embedded.materialize([bumped], fmnist_config(offline_data))
     assert materialization(recomputed).metadata["cache"].value == "miss"
     # same inputs, new code: a new key, but identical content keeps the data version

@@ -1,5 +1,6 @@
 """``occlusion_manifests``: images with one seeded black rectangle each, and its data-quality checks."""
 
+import base64
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +20,7 @@ from vlm_assets.data.image_sources import (
     load_image_folder,
 )
 from vlm_assets.data.occlusion import BoxBounds, write_occlusion_manifests
+from vlm_assets.data.preview import occlusion_preview
 from vlm_assets.defs.platform.memo import Built, ValidatedConfig, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
@@ -85,7 +87,7 @@ def load_source(config: OcclusionManifestsConfig) -> ImageSource:
 
 
 @dg.asset(
-    code_version="1",
+    code_version="2",
     kinds={"python", "numpy"},
     group_name="data",
     retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
@@ -108,10 +110,15 @@ def occlusion_manifests(
             train_box=bounds["train"], validation_box=bounds["validation"], seed=config.seed,
         )
         splits = summary["splits"]
+        preview = staging / "preview.png"
+        occlusion_preview(staging).save(preview)
+        run.log_artifact(str(preview))
         return Built(
             metrics={"num_train": splits["train"]["num_images"], "num_validation": splits["validation"]["num_images"]},
             metadata={"dataset": summary["name"], "class_names": ", ".join(summary["class_names"]),
                       "image_size": f"{splits['train']['width']}x{splits['train']['height']}x{splits['train']['channels']}"},
+            markdown={"preview": "![first training images with their boxes](data:image/png;base64,"
+                                 f"{base64.b64encode(preview.read_bytes()).decode()})"},
         )
 
     return materialize_memoized(context, store=artifact_store.get_store(), mlflow=mlflow, config=config, build=build)

@@ -40,10 +40,12 @@ def bad_input_fails_fast() -> Iterator[None]:
 
 @dataclasses.dataclass
 class Built:
-    """What an asset's build step reports: numbers for MLflow and Dagster, extra Dagster metadata."""
+    """What an asset's build step reports: numbers for MLflow and Dagster, extra Dagster metadata,
+    and markdown (tables, inlined images) for the Dagster UI."""
 
     metrics: dict[str, float]
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    markdown: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def artifact_key(context: dg.AssetExecutionContext, config: dg.Config, upstream: Mapping[str, ArtifactRef]) -> str:
@@ -90,7 +92,7 @@ def _materialize(
             built = build(staging, run)
             run.log_metrics(built.metrics)
             ref = store.commit(key, staging, metadata={
-                "metrics": built.metrics, "metadata": built.metadata, "config": config.model_dump(),
+                "metrics": built.metrics, "metadata": built.metadata, "markdown": built.markdown, "config": config.model_dump(),
                 "mlflow_run_id": run.run_id, "upstream": {k: r.data_version for k, r in upstream.items()},
             })
     context.log.info(f"committed {ref.uri} (data version {ref.data_version})")
@@ -106,5 +108,6 @@ def _output(ref: ArtifactRef, cache: str, seconds: float) -> dg.Output[ArtifactR
         "seconds": round(seconds, 3),
         **ref.metadata["metrics"],
         **ref.metadata["metadata"],
+        **{k: dg.MetadataValue.md(v) for k, v in ref.metadata["markdown"].items()},
     }
     return dg.Output(ref, data_version=dg.DataVersion(ref.data_version), metadata=metadata)
