@@ -1,0 +1,1 @@
+"""Model definitions (pure torch; no dagster imports)."""

@@ -1,0 +1,148 @@
+"""GPT-2-style decoder (pure torch), the model of the ``gpt_checkpoint`` asset.
+
+Token + learned position embeddings, pre-LayerNorm blocks, causal self-attention through
+``F.scaled_dot_product_attention`` (flash / memory-efficient kernels on GPU, no materialized mask),
+a 4x GELU(tanh) MLP, dropout, and an output head tied to the token embedding. The embedding table is
+padded to a multiple of 64 rows for faster matmuls; the padding rows are sliced off the logits, so
+they are never predicted.
+"""
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 50257  # GPT-2 BPE
+    block_size: int = 1024  # longest sequence (position embeddings)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm, as GPT-2
+    pad_vocab_to: int = 64  # embedding rows rounded up to a multiple of this
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if min(self.vocab_size, self.block_size, self.n_layer, self.n_head) < 1:
+            raise ValueError(f"vocab_size, block_size, n_layer and n_head must be positive: {self}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return math.ceil(self.vocab_size / self.pad_vocab_to) * self.pad_vocab_to
+
+
+# name: (n_embd, n_layer, n_head, learning rate). 1.5B/30B/65B are the seed pipeline's shapes and lrs.
+PRESETS: dict[str, tuple[int, int, int, float]] = {
+    "tiny": (64, 2, 2, 1e-3),
+    "124M": (768, 12, 12, 6e-4),
+    "350M": (1024, 24, 16, 3e-4),
+    "1.5B": (2048, 24, 16, 6e-4),
+    "30B": (6656, 48, 52, 1.6e-4),
+    "65B": (8192, 80, 64, 1.5e-4),
+}
+
+
+def preset(name: str, **overrides) -> tuple[GPTConfig, float]:
+    """The config and learning rate of a named preset, with field overrides (e.g. ``block_size=256``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown GPT preset {name!r}; choose one of {list(PRESETS)}")
+    n_embd, n_layer, n_head, lr = PRESETS[name]
+    return GPTConfig(**{"n_embd": n_embd, "n_layer": n_layer, "n_head": n_head, **overrides}), lr
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, seq, width)))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying (Press & Wolf 2017), as GPT-2
+        self.apply(self._init_weights)
+        # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) so the residual stream's variance
+        # does not grow with depth.
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # the tied head is counted once
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        """Logits over the real vocabulary (padding rows sliced off); with ``labels``, also the mean
+        next-token cross-entropy (labels shifted left by one here; ``-100`` positions ignored)."""
+        seq = input_ids.shape[1]
+        if seq > self.config.block_size:
+            raise ValueError(f"sequence length {seq} exceeds block_size {self.config.block_size}")
+        positions = torch.arange(seq, device=input_ids.device)
+        x = self.drop(self.wte(input_ids) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))[..., : self.config.vocab_size]
+        if labels is None:
+            return logits, None
+        loss = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
+        )
+        return logits, loss
