@@ -16,6 +16,7 @@ between blocks; the tail shorter than a block is dropped.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -90,36 +91,19 @@ def split_documents(documents: Iterable[str], val_fraction: float, seed: int) ->
 def pack_blocks(tokenizer, documents: Iterable[str], max_length: int, max_samples: int | None) -> Iterator[np.ndarray]:
     """Yield int32 blocks of ``max_length`` tokens from ``doc EOS doc EOS ...``."""
     eos = tokenizer.eos_token_id
+    docs = iter(documents)
     buffer = np.empty(0, np.int32)
     emitted = 0
-    batch: list[str] = []
-
-    def flush(batch: list[str]) -> np.ndarray:
+    while batch := list(itertools.islice(docs, _TOKENIZE_BATCH)):
         encoded = tokenizer(batch, add_special_tokens=False)["input_ids"]
-        return np.fromiter((t for ids in encoded for t in (*ids, eos)), np.int32)
-
-    def drain(buffer: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-        n = len(buffer) // max_length
-        return [buffer[i * max_length:(i + 1) * max_length] for i in range(n)], buffer[n * max_length:]
-
-    for doc in documents:
-        batch.append(doc)
-        if len(batch) < _TOKENIZE_BATCH:
-            continue
-        blocks, buffer = drain(np.concatenate([buffer, flush(batch)]))
-        batch = []
-        for block in blocks:
+        buffer = np.concatenate([buffer, np.fromiter((t for ids in encoded for t in (*ids, eos)), np.int32)])
+        num_blocks = len(buffer) // max_length
+        for i in range(num_blocks):
             if max_samples is not None and emitted >= max_samples:
                 return
             emitted += 1
-            yield block
-    if batch:
-        blocks, _ = drain(np.concatenate([buffer, flush(batch)]))
-        for block in blocks:
-            if max_samples is not None and emitted >= max_samples:
-                return
-            emitted += 1
-            yield block
+            yield buffer[i * max_length:(i + 1) * max_length]
+        buffer = buffer[num_blocks * max_length:]
 
 
 def write_split(out_dir: Path, blocks: Iterable[np.ndarray], size_limit: int | str, desc: str) -> dict[str, int]:
