@@ -25,19 +25,20 @@ def token_dataset(uri: str, split: str, *, cache_dir: str | Path | None = None, 
                   shuffle: bool = False, seed: int = 0) -> StreamingDataset:
     """A ``StreamingDataset`` over ``<uri>/<split>``; ``uri`` is a local directory or ``s3://...``.
 
-    Remote shards are downloaded into ``cache_dir/<split>``: give every concurrent run its own
-    ``cache_dir`` (streaming keys its shared memory on the local path, so two runs on one path collide).
+    With a ``cache_dir`` the shards are copied or downloaded into ``cache_dir/<split>``: give every
+    concurrent run its own (streaming keys its shared memory on the local path, so two runs reading one
+    path at once collide). Without one, local shards are read in place (single reader).
     Streaming partitions samples across ranks itself (``WORLD_SIZE``/``RANK`` from torchrun), so a
     distributed sampler must not be added on top.
     """
-    if uri.startswith("s3://"):
-        if cache_dir is None:
-            raise ValueError("token_dataset: a cache_dir is required to stream from s3://")
-        remote, local = f"{uri.rstrip('/')}/{split}", str(Path(cache_dir) / split)
-    else:
+    if uri.startswith("s3://") and cache_dir is None:
+        raise ValueError("token_dataset: a cache_dir is required to stream from s3://")
+    if not uri.startswith("s3://") and not (Path(uri) / split / "index.json").is_file():
+        raise FileNotFoundError(f"{Path(uri) / split}: no MDS index.json (not a token shard split)")
+    if cache_dir is None:  # read the local shards in place
         remote, local = None, str(Path(uri) / split)
-        if not (Path(local) / "index.json").is_file():
-            raise FileNotFoundError(f"{local}: no MDS index.json (not a token shard split)")
+    else:  # copy (local) or download (s3) into this run's own directory
+        remote, local = f"{uri.rstrip('/')}/{split}", str(Path(cache_dir) / split)
     return StreamingDataset(remote=remote, local=local, split=None, shuffle=shuffle, shuffle_seed=seed,
                             batch_size=batch_size)
 
@@ -72,3 +73,12 @@ def _download_summary(uri: str, target: Path) -> None:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     CloudDownloader.direct_download(f"{uri.rstrip('/')}/tokens.json", str(target), timeout=60)
+
+
+def reference_batch(uri: str, num_samples: int, cache_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The first ``num_samples`` validation samples, by index (the same on every rank and process):
+    the batch on which the trainer and the asset check compare losses."""
+    dataset = token_dataset(uri, "val", cache_dir=cache_dir, batch_size=num_samples)
+    if dataset.num_samples < num_samples:
+        raise ValueError(f"{uri}: the val split has {dataset.num_samples} samples, fewer than {num_samples}")
+    return collate_tokens([dataset[i] for i in range(num_samples)])

@@ -112,6 +112,12 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying (Press & Wolf 2017), as GPT-2
+        # -inf on the padding rows, added inside the head's matmul (addmm): padding gets zero
+        # probability with no extra pass over the (tokens x vocab) logits, and the logits stay
+        # contiguous for the loss (slicing them instead costs a copy forward and a fill+copy backward).
+        bias = torch.zeros(config.padded_vocab_size)
+        bias[config.vocab_size:] = float("-inf")
+        self.register_buffer("logit_bias", bias, persistent=False)
         self.apply(self._init_weights)
         # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) so the residual stream's variance
         # does not grow with depth.
@@ -139,10 +145,11 @@ class GPT(nn.Module):
         x = self.drop(self.wte(input_ids) + self.wpe(positions))
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))[..., : self.config.vocab_size]
+        padded_logits = F.linear(self.ln_f(x), self.lm_head.weight, self.logit_bias.to(x.dtype))
+        logits = padded_logits[..., : self.config.vocab_size]
         if labels is None:
             return logits, None
-        loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
-        )
+        # Position t predicts token t+1: shift the labels, not the logits (which would copy them).
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        loss = F.cross_entropy(padded_logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
         return logits, loss

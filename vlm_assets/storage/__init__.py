@@ -9,6 +9,7 @@ from vlm_assets.storage.artifact_store import (
     LocalArtifactStore,
 )
 from vlm_assets.storage.s3_store import S3ArtifactStore
+from vlm_assets.storage.spec import store_from_spec
 
 __all__ = [
     "ArtifactManifest",
@@ -18,4 +19,5 @@ __all__ = [
     "CorruptArtifactError",
     "LocalArtifactStore",
     "S3ArtifactStore",
+    "store_from_spec",
 ]

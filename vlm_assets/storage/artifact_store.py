@@ -117,6 +117,10 @@ class ArtifactStore(ABC):
         verify_files(self.local_path(key, cache_dir), manifest)
         return manifest
 
+    @abstractmethod
+    def list_complete(self, prefix: str) -> list[str]:
+        """Keys of the complete artifacts directly under ``prefix`` (e.g. a run's checkpoints), sorted."""
+
     def exists(self, key: str) -> bool:
         try:
             self.read_manifest(key)
@@ -192,6 +196,10 @@ class LocalArtifactStore(ArtifactStore):
     def local_path(self, key: str, cache_dir: Path | None = None) -> Path:
         self.read_manifest(key)
         return self._dir(key)
+
+    def list_complete(self, prefix: str) -> list[str]:
+        base = self._dir(prefix)
+        return sorted(f"{prefix.strip('/')}/{p.parent.name}" for p in base.glob(f"*/{MANIFEST_NAME}"))
 
     def delete(self, key: str) -> None:
         target = self._dir(key)

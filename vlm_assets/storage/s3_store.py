@@ -89,6 +89,16 @@ class S3ArtifactStore(ArtifactStore):
             shutil.rmtree(tmp, ignore_errors=True)
         return target
 
+    def list_complete(self, prefix: str) -> list[str]:
+        base = self._object_key(prefix) + "/"
+        keys = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+            for obj in page.get("Contents", []):
+                rest = obj["Key"][len(base):]
+                if rest.count("/") == 1 and rest.endswith("/" + MANIFEST_NAME):
+                    keys.append(f"{prefix.strip('/')}/{rest.split('/')[0]}")
+        return sorted(keys)
+
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._object_key(key, MANIFEST_NAME))
         paginator = self.client.get_paginator("list_objects_v2")

@@ -1,6 +1,7 @@
 """Artifact store resources: one interface, a local-filesystem and an S3 implementation."""
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import dagster as dg
 from pydantic import Field
@@ -15,12 +16,19 @@ class ArtifactStoreResource(dg.ConfigurableResource, ABC):
     @abstractmethod
     def get_store(self) -> ArtifactStore: ...
 
+    @abstractmethod
+    def spec(self) -> dict[str, Any]:
+        """The store as a JSON-able dict for worker processes (``vlm_assets.storage.spec``)."""
+
 
 class LocalArtifactStoreResource(ArtifactStoreResource):
     root: str = Field(description="Directory holding all artifacts (embedded default: var/artifacts).")
 
     def get_store(self) -> ArtifactStore:
         return LocalArtifactStore(self.root)
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "local", "root": str(LocalArtifactStore(self.root).root)}
 
 
 class S3ArtifactStoreResource(ArtifactStoreResource):
@@ -33,3 +41,7 @@ class S3ArtifactStoreResource(ArtifactStoreResource):
 
     def get_store(self) -> ArtifactStore:
         return S3ArtifactStore(self.s3.get_client(), self.bucket, self.prefix, cache_dir=self.cache_dir)
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "s3", "bucket": self.bucket, "prefix": self.prefix, "cache_dir": self.cache_dir,
+                "endpoint_url": self.s3.endpoint_url, "region_name": self.s3.region_name}

@@ -1,0 +1,189 @@
+"""The local backend: one ``torchrun`` per node, every node on 127.0.0.1, c10d rendezvous.
+
+``num_nodes=2, nproc_per_node=1`` really is two torchrun agents, each with its own worker, meeting
+at a rendezvous endpoint on loopback, exactly as two machines would. Worker output is streamed line
+by line (prefixed with the node) to a callback. If any node fails, every other node is stopped, and
+the whole process tree (torchrun starts each worker in its own session, so killing the agent's
+process group is not enough) is collected first, signalled with SIGTERM, then SIGKILL: no orphans.
+"""
+
+import collections
+import dataclasses
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from vlm_assets.launch.spec import LaunchSpec
+
+_TAIL_LINES = 40
+_GRACE_S = 15.0
+
+
+@dataclasses.dataclass
+class LaunchFailed(RuntimeError):
+    """A node exited non-zero, or the job ran past its timeout."""
+
+    node: int
+    exit_code: int | None  # the torchrun agent's exit code (None: stopped by the timeout)
+    worker_exit_code: int | None  # the failing worker's own code when torchrun reports it (-9 = SIGKILL)
+    tail: list[str]
+    reason: str
+
+    def __str__(self) -> str:
+        worker = f", worker exit code {self.worker_exit_code}" if self.worker_exit_code is not None else ""
+        last = "\n".join(self.tail[-15:])
+        return f"{self.reason}: node {self.node} exit code {self.exit_code}{worker}. Last lines of node {self.node}:\n{last}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(spec: LaunchSpec, endpoint: str, run_id: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={spec.num_nodes}", f"--nproc-per-node={spec.nproc_per_node}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+        f"--rdzv-conf=join_timeout={spec.rendezvous_timeout_s}",
+        "--max-restarts=0",  # a failed job is retried by the orchestrator, from the last checkpoint
+        "-m", spec.module, *spec.args,
+    ]
+
+
+def run_local(spec: LaunchSpec, on_line: Callable[[str], None] = print, env: Mapping[str, str] | None = None) -> None:
+    """Run ``spec`` to completion on this machine; raise ``LaunchFailed`` if any node fails or it times out."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    run_id = uuid.uuid4().hex[:12]
+    full_env = {**os.environ, **(env or {}), **spec.env, "PYTHONUNBUFFERED": "1"}
+    lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
+    tails = [collections.deque(maxlen=_TAIL_LINES) for _ in range(spec.num_nodes)]
+    nodes: list[subprocess.Popen] = []
+    try:
+        for node in range(spec.num_nodes):
+            proc = subprocess.Popen(
+                torchrun_command(spec, endpoint, run_id), env=full_env, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+            )
+            nodes.append(proc)
+            threading.Thread(target=_pump, args=(node, proc, lines), daemon=True).start()
+        on_line(f"[launcher] {spec.name}: {spec.num_nodes} node(s) x {spec.nproc_per_node} process(es), rendezvous {endpoint}")
+        _supervise(spec, nodes, lines, tails, on_line)
+    finally:
+        stop_process_trees([p for p in nodes if p.poll() is None])
+        for proc in nodes:
+            if proc.stdout:
+                proc.stdout.close()
+
+
+def _pump(node: int, proc: subprocess.Popen, lines: queue.Queue) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.put((node, line.rstrip("\n")))
+    lines.put((node, None))
+
+
+def _supervise(spec, nodes, lines, tails, on_line) -> None:
+    deadline = time.monotonic() + spec.timeout_s
+    open_streams = len(nodes)
+    while True:
+        try:
+            node, line = lines.get(timeout=0.2)
+            if line is None:
+                open_streams -= 1
+            else:
+                tails[node].append(line)
+                on_line(f"[node {node}] {line}")
+        except queue.Empty:
+            pass
+        codes = [p.poll() for p in nodes]
+        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            stop_process_trees([p for p in nodes if p.poll() is None])
+            _drain(lines, tails, on_line)
+            node = failed[0]
+            raise LaunchFailed(node, codes[node], _worker_exit_code(tails[node]), list(tails[node]), f"{spec.name} failed")
+        if all(code == 0 for code in codes) and open_streams == 0:
+            return
+        if time.monotonic() > deadline:
+            stop_process_trees(nodes)
+            _drain(lines, tails, on_line)
+            raise LaunchFailed(0, None, None, list(tails[0]), f"{spec.name} ran past its {spec.timeout_s} s timeout")
+
+
+def _drain(lines, tails, on_line) -> None:
+    while True:
+        try:
+            node, line = lines.get(timeout=0.5)
+        except queue.Empty:
+            return
+        if line is not None:
+            tails[node].append(line)
+            on_line(f"[node {node}] {line}")
+
+
+def _worker_exit_code(tail) -> int | None:
+    """torchrun's failure summary names the worker's exit code (``exitcode  : -9``)."""
+    for line in reversed(tail):
+        if match := re.search(r"exitcode\s*:\s*(-?\d+)", line):
+            return int(match.group(1))
+    return None
+
+
+def _children() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children[int(fields[1])].append(int(stat.parent.name))
+    return children
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (Linux ``/proc``)."""
+    children, tree, todo = _children(), [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(children.get(current, []))
+    return tree
+
+
+def stop_process_trees(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process of every tree (torchrun forwards it to its workers), SIGKILL what is left."""
+    pids = [pid for proc in procs for pid in process_tree(proc.pid)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + (_GRACE_S if sig == signal.SIGTERM else 5.0)
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        pids = [pid for pid in pids if _alive(pid)]
+        if not pids:
+            return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie is dead, only not yet reaped by its parent

@@ -1,0 +1,36 @@
+"""What a training job needs, independent of where it runs (local torchrun processes or k8s pods)."""
+
+import dataclasses
+import re
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    """One distributed job: ``python -m <module> <args>`` on every process of every node.
+
+    A backend turns this into processes: the local backend runs one ``torchrun`` per node on
+    127.0.0.1; a Kubernetes backend would run one pod per node behind a headless Service. Either
+    way every process sees torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``.
+    """
+
+    module: str  # e.g. "vlm_assets.train.gpt_pretrain"
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # added to every process' environment
+    num_nodes: int = 1
+    nproc_per_node: int = 1
+    resources: dict[str, str] = dataclasses.field(default_factory=dict)  # per node, k8s-style: {"cpu": "4", "nvidia.com/gpu": "8"}
+    rendezvous_timeout_s: int = 120  # all nodes must have joined within this
+    timeout_s: int = 3600  # the whole job, start to finish
+    name: str = "train"  # shown in logs, pod names
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[A-Za-z_][\w.]*", self.module):
+            raise ValueError(f"LaunchSpec.module must be a dotted module name, got {self.module!r}")
+        if self.num_nodes < 1 or self.nproc_per_node < 1:
+            raise ValueError(f"LaunchSpec: num_nodes ({self.num_nodes}) and nproc_per_node ({self.nproc_per_node}) must be >= 1")
+        if self.rendezvous_timeout_s < 1 or self.timeout_s < 1:
+            raise ValueError("LaunchSpec: timeouts must be positive seconds")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.nproc_per_node

@@ -1,0 +1,58 @@
+"""Export the GPT as a Hugging Face ``GPT2LMHeadModel`` directory (config + safetensors + tokenizer).
+
+The architecture is GPT-2's, so the export is loadable by anyone with ``transformers`` alone:
+``GPT2LMHeadModel.from_pretrained(path)``; no code of this project is needed. HF's GPT-2 uses
+``Conv1D`` (weights stored as (in, out)), hence the transposes; the padded vocabulary rows are dropped.
+"""
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from vlm_assets.models.gpt import GPTConfig
+
+_TRANSPOSED = {"attn.qkv.weight": "attn.c_attn.weight", "attn.proj.weight": "attn.c_proj.weight",
+               "mlp.fc.weight": "mlp.c_fc.weight", "mlp.proj.weight": "mlp.c_proj.weight"}
+_SAME = {"attn.qkv.bias": "attn.c_attn.bias", "attn.proj.bias": "attn.c_proj.bias", "mlp.fc.bias": "mlp.c_fc.bias",
+         "mlp.proj.bias": "mlp.c_proj.bias", "ln_1.weight": "ln_1.weight", "ln_1.bias": "ln_1.bias",
+         "ln_2.weight": "ln_2.weight", "ln_2.bias": "ln_2.bias"}
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    out = {
+        "transformer.wte.weight": state["wte.weight"][: config.vocab_size],
+        "transformer.wpe.weight": state["wpe.weight"],
+        "transformer.ln_f.weight": state["ln_f.weight"],
+        "transformer.ln_f.bias": state["ln_f.bias"],
+    }
+    for i in range(config.n_layer):
+        for ours, theirs in _TRANSPOSED.items():
+            out[f"transformer.h.{i}.{theirs}"] = state[f"blocks.{i}.{ours}"].t()
+        for ours, theirs in _SAME.items():
+            out[f"transformer.h.{i}.{theirs}"] = state[f"blocks.{i}.{ours}"]
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in out.items()}
+
+
+def export_hf(state: dict[str, torch.Tensor], config: GPTConfig, out_dir: Path, tokenizer_dir: Path | None) -> Path:
+    """Write ``out_dir`` as a ``GPT2LMHeadModel`` checkpoint (tied head, gelu_new = GELU tanh)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if not config.bias:
+        raise ValueError("Hugging Face GPT-2 has biases everywhere: export needs a GPTConfig with bias=True")
+    hf_config = GPT2Config(
+        vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
+        n_head=config.n_head, activation_function="gelu_new", resid_pdrop=config.dropout, embd_pdrop=config.dropout,
+        attn_pdrop=config.dropout, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+    )
+    model = GPT2LMHeadModel(hf_config)
+    missing, unexpected = model.load_state_dict(to_hf_state_dict(state, config), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"HF export mapping incomplete: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer_dir is not None:
+        for path in tokenizer_dir.iterdir():
+            shutil.copy2(path, out_dir / path.name)
+    return out_dir

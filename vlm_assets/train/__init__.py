@@ -1,0 +1,1 @@
+"""Training entry points and their Lightning parts (no dagster imports: they run inside torchrun workers)."""

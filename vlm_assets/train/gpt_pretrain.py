@@ -1,0 +1,147 @@
+"""GPT pretraining entry point: one process per device, started by torchrun (or by the launcher).
+
+    torchrun --nnodes=1 --nproc-per-node=2 -m vlm_assets.train.gpt_pretrain --config run.json
+
+``run.json`` is a ``PretrainConfig``. The run resumes by itself from the newest intact checkpoint under
+``checkpoint_prefix``; at the end rank 0 writes into ``out_dir``: ``checkpoint.ckpt`` (consolidated,
+the last committed one), ``hf/`` (a ``GPT2LMHeadModel`` export with tokenizer), ``history.json`` and
+``reference.json`` (the loss of this model on a fixed validation batch, for the export check).
+Launched by Dagster, global rank 0 reports logs, metrics and the final metadata through Pipes.
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from vlm_assets.data.token_stream import reference_batch
+from vlm_assets.models.gpt import GPT, preset
+from vlm_assets.models.gpt_export import export_hf
+from vlm_assets.storage import store_from_spec
+from vlm_assets.train.checkpoints import CHECKPOINT_FILE, StoreCheckpoint, latest_checkpoint, step_key
+from vlm_assets.train.gpt_config import PretrainConfig
+from vlm_assets.train.gpt_module import GPTPretrainModule, TokenDataModule
+from vlm_assets.train.reporting import Reporter, TrainingHistory
+
+REFERENCE_SAMPLES = 8
+
+
+def build_trainer(config: PretrainConfig, callbacks: list[L.Callback]) -> L.Trainer:
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available()
+    if config.strategy == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=False)
+    else:
+        strategy = DDPStrategy(process_group_backend="nccl" if cuda else "gloo")
+    accumulation = config.accumulation(world)
+    return L.Trainer(
+        accelerator="gpu" if cuda else "cpu", devices=local_world, num_nodes=world // local_world, strategy=strategy,
+        precision="bf16-mixed" if cuda else "32-true", max_steps=config.max_steps, max_epochs=-1,
+        accumulate_grad_batches=accumulation, val_check_interval=config.val_check_interval * accumulation,
+        check_val_every_n_epoch=None, limit_val_batches=config.val_batches, num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # streaming shards the samples over ranks itself
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, required=True, help="a PretrainConfig JSON file")
+    config = PretrainConfig.load(parser.parse_args(argv).config)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    with Reporter.open(rank, config.mlflow_tracking_uri, config.mlflow_run_id) as reporter:
+        train(config, rank, world, reporter)
+
+
+def train(config: PretrainConfig, rank: int, world: int, reporter: Reporter) -> None:
+    summary = json.loads(_shards_path(config, "tokens.json").read_text())
+    model_config, preset_lr = preset(config.preset, **{"vocab_size": summary["vocab_size"],
+                                                        "block_size": summary["max_length"], **config.model_overrides})
+    lr = config.lr or preset_lr
+    L.seed_everything(config.seed, workers=True, verbose=False)
+    store = store_from_spec(config.checkpoint_store)
+    cache = Path(config.cache_dir) / f"rank{rank}"
+    resume = latest_checkpoint(store, config.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
+    tokens_per_step = config.global_batch_size * summary["max_length"]
+    history = TrainingHistory(reporter, config.log_every, config.max_steps, tokens_per_step)
+    checkpoints = StoreCheckpoint(store, config.checkpoint_prefix, every=config.checkpoint_every,
+                                  keep_last=config.keep_last, staging=cache / "staging", log=reporter.log)
+    trainer = build_trainer(config, [history, checkpoints])
+    module = GPTPretrainModule(model_config, config, lr)
+    data = TokenDataModule(config)
+    reporter.log(f"GPT {config.preset} ({model_config}), {config.strategy} on {world} process(es), "
+                 f"accumulation {config.accumulation(world)}, lr {lr}, "
+                 + (f"resuming from {resume[0]}" if resume else "starting from scratch"))
+    trainer.fit(module, datamodule=data, ckpt_path=str(resume[1]) if resume else None)
+    tokens_per_s = history.tokens_per_s(trainer.global_step)
+    final_val = trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"]
+
+    # Every rank takes part in gathering the full (unsharded) weights; rank 0 writes them out.
+    state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Every rank opens the streaming dataset (its set-up is collective); rank 0 uses the batch.
+    batch = reference_batch(config.shards_uri, REFERENCE_SAMPLES, Path(config.cache_dir) / "reference")
+    if rank == 0:
+        out = Path(config.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        final = latest_checkpoint(store, config.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
+        assert final is not None and final[0] == step_key(config.checkpoint_prefix, trainer.global_step)
+        shutil.copy2(final[1], out / CHECKPOINT_FILE)
+        export_hf(state, model_config, out / "hf", _shards_path(config, "tokenizer"))
+        reference = _reference_loss(model_config, state, batch)
+        (out / "reference.json").write_text(json.dumps({"val_batch_loss": reference, "num_samples": REFERENCE_SAMPLES}))
+        history.save(out / "history.json")
+        train_loss = history.train[-1]["loss"]
+        reporter.materialization({
+            "train_loss": train_loss, "train_perplexity": math.exp(min(train_loss, 20)),
+            "val_loss": final_val, "val_perplexity": math.exp(min(final_val, 20)),
+            "steps": trainer.global_step, "tokens_seen": trainer.global_step * tokens_per_step,
+            "tokens_per_s": tokens_per_s, "num_params": sum(v.numel() for k, v in state.items() if k != "lm_head.weight"),
+            "resumed_from_step": history.resumed_from_step if history.resumed_from_step is not None else -1,
+            "world_size": world, "strategy": config.strategy, "checkpoint": final[0],
+        })
+    trainer.strategy.barrier("export written")
+
+
+def _reference_loss(model_config, state, batch) -> float:
+    """This model's (fp32, eval mode) loss on the first validation samples."""
+    model = GPT(model_config)
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        return float(model(batch["input_ids"], batch["labels"])[1])
+
+
+def _shards_path(config: PretrainConfig, rel: str) -> Path:
+    """A file or directory of the token_shards artifact on local disk (downloaded once if on S3;
+    ``S3_ENDPOINT_URL`` names a non-AWS endpoint, as for streaming itself)."""
+    if not config.shards_uri.startswith("s3://"):
+        return Path(config.shards_uri) / rel
+    import boto3
+
+    target = Path(config.cache_dir) / "shards-meta" / rel
+    bucket, _, prefix = config.shards_uri.removeprefix("s3://").partition("/")
+    base = f"{prefix.rstrip('/')}/{rel}"
+    client = boto3.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL"))
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
+        for obj in page.get("Contents", []):
+            if obj["Key"] != base and not obj["Key"].startswith(base + "/"):
+                continue
+            path = target if obj["Key"] == base else target / obj["Key"][len(base) + 1:]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(bucket, obj["Key"], str(path))
+    if not target.exists():
+        raise FileNotFoundError(f"{config.shards_uri}/{rel} does not exist")
+    return target
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""A real distributed worker for launcher tests: gloo all-reduce of the ranks, then an optional failure.
+
+    torchrun --nnodes=2 --nproc-per-node=1 ... -m vlm_assets_tests.launch.allreduce_worker [--fail-rank R] [--hang]
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--hang", action="store_true", help="the non-failing ranks block in a collective")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    print(f"rank {rank}/{world} pid {os.getpid()} sum {int(total.item())}", flush=True)
+    if rank == args.fail_rank:
+        print(f"rank {rank} failing on purpose", flush=True)
+        sys.exit(3)
+    if args.hang:
+        time.sleep(3600)  # stands in for a collective that never completes
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The local torchrun backend with real processes: rendezvous, log streaming, failure, no orphans."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vlm_assets.launch import LaunchFailed, LaunchSpec, run_local
+
+WORKER = "vlm_assets_tests.launch.allreduce_worker"
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _pids(lines):
+    return [int(line.split(" pid ")[1].split()[0]) for line in lines if " pid " in line]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_two_nodes_of_one_process_rendezvous_on_loopback():
+    lines = []
+    run_local(LaunchSpec(WORKER, num_nodes=2, nproc_per_node=1, env=ENV, timeout_s=120), on_line=lines.append)
+    ranks = sorted(line.split("rank ")[1].split()[0] for line in lines if " sum " in line)
+    assert ranks == ["0/2", "1/2"]
+    assert all(line.endswith("sum 1") for line in lines if " sum " in line)  # 0 + 1: they really met
+    assert {line.split("]")[0] for line in lines if " sum " in line} == {"[node 0", "[node 1"}
+
+
+@pytest.mark.slow
+def test_a_failing_node_stops_every_node_and_is_reported():
+    lines = []
+    spec = LaunchSpec(WORKER, ("--fail-rank", "1", "--hang"), num_nodes=2, nproc_per_node=1, env=ENV, timeout_s=120)
+    with pytest.raises(LaunchFailed) as failure:
+        run_local(spec, on_line=lines.append)
+    err = failure.value
+    assert err.exit_code not in (None, 0)
+    assert err.worker_exit_code == 3
+    assert any("rank 1 failing on purpose" in line for line in err.tail)
+    pids = _pids(lines)
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids), "a worker outlived the launch"
+
+
+@pytest.mark.slow
+def test_the_job_timeout_stops_a_hanging_job():
+    lines = []
+    spec = LaunchSpec(WORKER, ("--hang",), num_nodes=1, nproc_per_node=2, env=ENV, timeout_s=20)
+    with pytest.raises(LaunchFailed, match="timeout"):
+        run_local(spec, on_line=lines.append)
+    pids = _pids(lines)
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
+def test_bad_specs_are_refused():
+    with pytest.raises(ValueError, match="module"):
+        LaunchSpec("not a module; rm -rf /")
+    with pytest.raises(ValueError, match="num_nodes"):
+        LaunchSpec(WORKER, num_nodes=0)
