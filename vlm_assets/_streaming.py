@@ -6,6 +6,7 @@ empty placeholder module is registered before the first ``import streaming``. Im
 through this module.
 """
 
+import os
 import sys
 import types
 
@@ -16,4 +17,30 @@ import streaming  # noqa: E402
 from streaming import LocalDataset, MDSWriter, StreamingDataset  # noqa: E402
 from streaming.base.util import clean_stale_shared_memory  # noqa: E402
 
-__all__ = ["LocalDataset", "MDSWriter", "StreamingDataset", "clean_stale_shared_memory", "streaming"]
+__all__ = ["LocalDataset", "MDSWriter", "StreamingDataset", "clean_stale_shared_memory", "streaming", "streaming_dataset"]
+
+SHARED_HOST_ENV = "VLM_ASSETS_NODES_SHARE_HOST"
+
+
+def streaming_dataset(**kwargs) -> StreamingDataset:
+    """``StreamingDataset(**kwargs)``, aware of nodes that share one host.
+
+    Streaming coordinates through POSIX shared memory, one set per host, created by each node's local
+    rank 0. When several torchrun nodes run on one machine (the local launcher's ``num_nodes > 1``,
+    which sets ``VLM_ASSETS_NODES_SHARE_HOST=1``), their local leaders would create the same segments
+    and collide. So while the dataset detects its world (only in ``__init__``), it is shown the truth:
+    one host with ``WORLD_SIZE`` ranks. Samples are still partitioned over all ranks.
+    """
+    if os.environ.get(SHARED_HOST_ENV) != "1":
+        return StreamingDataset(**kwargs)
+    saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    os.environ["LOCAL_RANK"] = os.environ.get("RANK", "0")
+    os.environ["LOCAL_WORLD_SIZE"] = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return StreamingDataset(**kwargs)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

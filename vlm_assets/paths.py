@@ -1,6 +1,6 @@
 """Where the embedded default keeps things, read from the environment when asked (never at import).
 
-``VLM_ASSETS_HOME``  artifacts, MLflow store, Dagster home (default ``./var`` of the working dir)
+``VLM_ASSETS_HOME``  artifacts, MLflow store, Dagster home, training scratch (``runs/``) (default ``./var``)
 ``VLM_ASSETS_CACHE`` downloads and offline data (default ``~/.cache/vlm_assets``)
 """
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from vlm_assets._streaming import StreamingDataset
+from vlm_assets._streaming import StreamingDataset, streaming_dataset
 
 
 def collate_tokens(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -39,7 +39,7 @@ def token_dataset(uri: str, split: str, *, cache_dir: str | Path | None = None, 
         remote, local = None, str(Path(uri) / split)
     else:  # copy (local) or download (s3) into this run's own directory
         remote, local = f"{uri.rstrip('/')}/{split}", str(Path(cache_dir) / split)
-    return StreamingDataset(remote=remote, local=local, split=None, shuffle=shuffle, shuffle_seed=seed,
+    return streaming_dataset(remote=remote, local=local, split=None, shuffle=shuffle, shuffle_seed=seed,
                             batch_size=batch_size)
 
 

@@ -20,7 +20,13 @@ def profile_run_config(name: str) -> dict:
             }},
             "token_shards": {"config": {
                 "source": "text_files", "text_glob": str(data / "shakespeare" / "*.txt"),
-                "tokenizer": str(data / "gpt2-tokenizer"), "max_length": 256,
+                "tokenizer": str(data / "gpt2-tokenizer"), "max_length": 128,
+            }},
+            # Two nodes of one process each (two torchrun agents on loopback), as a cluster would run it.
+            "gpt_checkpoint": {"config": {
+                "preset": "tiny", "strategy": "ddp", "num_nodes": 2, "nproc_per_node": 1,
+                "micro_batch_size": 4, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "max_steps": 40,
+                "val_check_interval": 20, "val_batches": 8, "checkpoint_every": 20, "log_every": 10,
             }},
         }
     }

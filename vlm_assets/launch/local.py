@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from vlm_assets._streaming import SHARED_HOST_ENV
 from vlm_assets.launch.spec import LaunchSpec
 
 _TAIL_LINES = 40
@@ -66,6 +67,8 @@ def run_local(spec: LaunchSpec, on_line: Callable[[str], None] = print, env: Map
     endpoint = f"127.0.0.1:{free_port()}"
     run_id = uuid.uuid4().hex[:12]
     full_env = {**os.environ, **(env or {}), **spec.env, "PYTHONUNBUFFERED": "1"}
+    if spec.num_nodes > 1:
+        full_env[SHARED_HOST_ENV] = "1"  # every "node" is on this host: see vlm_assets._streaming
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
     tails = [collections.deque(maxlen=_TAIL_LINES) for _ in range(spec.num_nodes)]
     nodes: list[subprocess.Popen] = []

@@ -56,3 +56,12 @@ def export_hf(state: dict[str, torch.Tensor], config: GPTConfig, out_dir: Path, 
         for path in tokenizer_dir.iterdir():
             shutil.copy2(path, out_dir / path.name)
     return out_dir
+
+
+def hf_loss(export_dir: Path, batch: dict[str, torch.Tensor]) -> float:
+    """Mean next-token loss of a Hugging Face export on a batch (fp32, eval mode)."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(export_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return float(model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)

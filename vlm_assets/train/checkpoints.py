@@ -36,9 +36,10 @@ def latest_checkpoint(store: ArtifactStore, prefix: str, log: Callable[[str], No
 
 
 class StoreCheckpoint(L.Callback):
-    def __init__(self, store: ArtifactStore, prefix: str, *, every: int, keep_last: int, staging: Path,
-                 log: Callable[[str], None]):
+    def __init__(self, store: ArtifactStore, prefix: str, *, every: int, keep_last: int, val_every: int,
+                 staging: Path, log: Callable[[str], None]):
         self.store, self.prefix, self.every, self.keep_last = store, prefix, every, keep_last
+        self.val_every = val_every
         self.staging, self.report = staging, log
         self._last_saved = -1
 
@@ -47,8 +48,15 @@ class StoreCheckpoint(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # global_step only moves on the micro-batch that stepped the optimizer, so this never saves
-        # in the middle of a gradient accumulation.
-        if trainer.global_step != self._last_saved and trainer.global_step % self.every == 0:
+        # in the middle of a gradient accumulation. A step that validates is saved after validation,
+        # so the checkpoint's history holds that validation too.
+        step = trainer.global_step
+        if step != self._last_saved and step % self.every == 0 and step % self.val_every != 0:
+            self.save(trainer)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        step = trainer.global_step
+        if trainer.state.fn == "fit" and step != self._last_saved and step % self.every == 0:
             self.save(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -31,6 +32,8 @@ from vlm_assets.train.gpt_module import GPTPretrainModule, TokenDataModule
 from vlm_assets.train.reporting import Reporter, TrainingHistory
 
 REFERENCE_SAMPLES = 8
+# Lightning only knows resumable *loaders*; the position is restored by TokenDataModule.load_state_dict.
+warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*")
 
 
 def build_trainer(config: PretrainConfig, callbacks: list[L.Callback]) -> L.Trainer:
@@ -74,7 +77,7 @@ def train(config: PretrainConfig, rank: int, world: int, reporter: Reporter) -> 
     tokens_per_step = config.global_batch_size * summary["max_length"]
     history = TrainingHistory(reporter, config.log_every, config.max_steps, tokens_per_step)
     checkpoints = StoreCheckpoint(store, config.checkpoint_prefix, every=config.checkpoint_every,
-                                  keep_last=config.keep_last, staging=cache / "staging", log=reporter.log)
+                                  keep_last=config.keep_last, val_every=config.val_check_interval, staging=cache / "staging", log=reporter.log)
     trainer = build_trainer(config, [history, checkpoints])
     module = GPTPretrainModule(model_config, config, lr)
     data = TokenDataModule(config)

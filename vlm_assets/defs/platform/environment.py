@@ -3,6 +3,7 @@
 ``VLM_ASSETS_STORE``    ``local`` (default: ``$VLM_ASSETS_HOME/artifacts``) or ``s3``
                         (``VLM_ASSETS_S3_BUCKET``, ``VLM_ASSETS_S3_PREFIX``, ``AWS_ENDPOINT_URL``, AWS credentials)
 ``MLFLOW_TRACKING_URI`` default ``sqlite:///$VLM_ASSETS_HOME/mlflow.db`` with artifacts in ``$VLM_ASSETS_HOME/mlruns``
+``VLM_ASSETS_LAUNCHER`` ``local`` (default: torchrun processes on this machine, loopback rendezvous)
 ``VLM_ASSETS_PROFILE``  ``demo`` (default: offline real data, tiny models, CPU) or ``seed`` (full scale)
 """
 
@@ -12,6 +13,7 @@ from collections.abc import Mapping
 import dagster as dg
 from dagster_aws.s3 import S3Resource
 
+from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
 from vlm_assets.defs.platform.storage import LocalArtifactStoreResource, S3ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 from vlm_assets.paths import cache_dir, home_dir
@@ -52,7 +54,11 @@ def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.Configura
         experiment_name=env.get("MLFLOW_EXPERIMENT_NAME", "vlm_assets"),
         artifact_location=env.get("VLM_ASSETS_MLFLOW_ARTIFACTS", (home / "mlruns").as_uri()),
     )
-    return {"artifact_store": store, "mlflow": tracking}
+    launcher_kind = env.get("VLM_ASSETS_LAUNCHER", "local")
+    if launcher_kind != "local":
+        raise ValueError(f"VLM_ASSETS_LAUNCHER={launcher_kind!r}: this version has the 'local' launcher only "
+                         "(see deploy/README.md for the Kubernetes design)")
+    return {"artifact_store": store, "mlflow": tracking, "launcher": LocalTorchrunLauncher()}
 
 
 @dg.definitions

@@ -1,0 +1,50 @@
+"""Training launchers as Dagster resources: the asset builds a ``LaunchSpec``, the launcher runs it.
+
+Only the launcher knows where processes run. ``LocalTorchrunLauncher`` (the embedded default) starts
+one torchrun per node on 127.0.0.1; a Kubernetes launcher (one pod per node, a headless Service as the
+rendezvous endpoint) implements the same ``launch`` beside it, and no asset changes. Either way the
+workers get the Dagster Pipes bootstrap environment and global rank 0 reports logs, metrics and the
+final materialization metadata through it.
+"""
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import dagster as dg
+from pydantic import Field
+
+from vlm_assets.launch import LaunchFailed, LaunchSpec, run_local
+
+
+class TrainingLauncher(dg.ConfigurableResource, ABC):
+    @abstractmethod
+    def launch(self, context: dg.AssetExecutionContext, spec: LaunchSpec,
+               extras: dict[str, Any] | None = None) -> list[dg.MaterializeResult]:
+        """Run ``spec`` to completion and return what rank 0 reported through Pipes. Raises a
+        retryable ``dg.Failure`` naming the failing node, its exit code and last lines."""
+
+
+class LocalTorchrunLauncher(TrainingLauncher):
+    """One ``torchrun`` per node on this machine, c10d rendezvous on loopback; gloo on CPU, NCCL on GPUs."""
+
+    env: dict[str, str] = Field(
+        default_factory=lambda: {"OMP_NUM_THREADS": "1"},
+        description="Extra environment for every worker (OMP_NUM_THREADS=1 stops CPU workers oversubscribing cores).",
+    )
+
+    def launch(self, context: dg.AssetExecutionContext, spec: LaunchSpec,
+               extras: dict[str, Any] | None = None) -> list[dg.MaterializeResult]:
+        with dg.open_pipes_session(
+            context=context, extras=extras or {},
+            context_injector=dg.PipesTempFileContextInjector(), message_reader=dg.PipesTempFileMessageReader(),
+        ) as session:
+            try:
+                run_local(spec, on_line=context.log.info, env={**self.env, **session.get_bootstrap_env_vars()})
+            except LaunchFailed as err:
+                raise dg.Failure(
+                    description=str(err),
+                    metadata={"node": err.node, "exit_code": err.exit_code if err.exit_code is not None else "timeout",
+                              "worker_exit_code": err.worker_exit_code if err.worker_exit_code is not None else "n/a",
+                              "last_lines": dg.MetadataValue.md("```\n" + "\n".join(err.tail[-20:]) + "\n```")},
+                ) from err
+        return [r for r in session.get_results() if isinstance(r, dg.MaterializeResult)]

@@ -1,0 +1,210 @@
+"""``gpt_checkpoint`` end to end on CPU: real Shakespeare token shards, the local torchrun launcher
+(2 nodes x 1 process, and 1 node x 2 processes with FSDP2), Pipes, checkpoints, a SIGKILLed worker
+and its resumed retry, a damaged checkpoint, and the Hugging Face export reloaded by transformers."""
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from mlflow.tracking import MlflowClient
+
+from vlm_assets.defs.data.token_assets import token_shards
+from vlm_assets.defs.models.gpt_assets import export_reproduces_val_loss, gpt_checkpoint, val_loss_beats_uniform
+from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
+from vlm_assets.defs.platform.storage import LocalArtifactStoreResource
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource
+from vlm_assets.launch import LaunchSpec, run_local
+from vlm_assets.train.checkpoints import CHECKPOINT_FILE, latest_checkpoint
+from vlm_assets.train.gpt_config import PretrainConfig
+
+pytestmark = pytest.mark.slow
+
+GRAPH = [token_shards, gpt_checkpoint, val_loss_beats_uniform, export_reproduces_val_loss]
+UNIFORM = math.log(50257)
+MAX_STEPS = 30
+# Two micro-batches of 2 per process and step (gradient accumulation 2 at world size 2).
+GPT = {"preset": "tiny", "strategy": "ddp", "num_nodes": 2, "nproc_per_node": 1, "micro_batch_size": 2,
+       "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "max_steps": MAX_STEPS, "val_check_interval": 10,
+       "val_batches": 4, "checkpoint_every": 6, "keep_last": 2, "log_every": 5}
+
+
+def run_config(offline_data, **gpt):
+    tokens = {"source": "text_files", "text_glob": str(offline_data / "shakespeare" / "*.txt"),
+              "tokenizer": str(offline_data / "gpt2-tokenizer"), "max_length": 64, "max_val_samples": 64}
+    return {"ops": {"token_shards": {"config": tokens}, "gpt_checkpoint": {"config": {**GPT, **gpt}}}}
+
+
+class Env:
+    """An isolated embedded default (own store, VLM_ASSETS_HOME, Dagster instance), one per store."""
+
+    def __init__(self, root: Path, mlflow_uri: str):
+        self.root = root
+        self.resources = {
+            "artifact_store": LocalArtifactStoreResource(root=str(root / "artifacts")),
+            "mlflow": MlflowTrackingResource(tracking_uri=mlflow_uri, artifact_location=(root / "mlruns").as_uri()),
+            "launcher": LocalTorchrunLauncher(),
+        }
+
+    @property
+    def store(self):
+        return self.resources["artifact_store"].get_store()
+
+    def materialize(self, run_config, raise_on_error=True):
+        with pytest.MonkeyPatch.context() as mp, dg.instance_for_test() as instance:
+            mp.setenv("VLM_ASSETS_HOME", str(self.root / "home"))
+            result = dg.materialize(GRAPH, resources=self.resources, run_config=run_config, instance=instance,
+                                    raise_on_error=raise_on_error)
+            self.log_messages = [entry.user_message for entry in instance.all_logs(result.run_id)]
+            return result
+
+
+def outcome(result):
+    meta = result.asset_materializations_for_node("gpt_checkpoint")[0].metadata
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    return {k: getattr(v, "value", v) for k, v in meta.items()}, checks
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, offline_data, mlflow_uri):
+    env = Env(tmp_path_factory.mktemp("gpt-ddp"), mlflow_uri)
+    result = env.materialize(run_config(offline_data))
+    meta, checks = outcome(result)
+    env.first_log_messages = env.log_messages
+    history = json.loads((Path(meta["uri"]) / "history.json").read_text())
+    return env, result, meta, checks, history
+
+
+def test_two_nodes_ddp_trains_well_below_uniform(ddp_run, mlflow_uri):
+    env, result, meta, checks, history = ddp_run
+    assert result.success and meta["cache"] == "miss"
+    assert checks == {"val_loss_beats_uniform": True, "export_reproduces_val_loss": True}
+    assert meta["steps"] == MAX_STEPS and meta["world_size"] == 2 and meta["resumed_from_step"] == -1
+    assert meta["val_loss"] < UNIFORM - 2.5, meta["val_loss"]
+    assert meta["tokens_seen"] == MAX_STEPS * 8 * 64 and meta["tokens_per_s"] > 0
+    assert [p["step"] for p in history["train"]] == list(range(1, MAX_STEPS + 1))
+    assert [p["step"] for p in history["val"]] == [10, 20, 30]
+    root = Path(meta["uri"])
+    assert (root / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (root / "hf").iterdir()}
+    # Checkpoints in the store: the newest keep_last, the final step among them.
+    steps = [k.rsplit("-", 1)[1] for k in env.store.list_complete(f"checkpoints/{meta['cache_key']}")]
+    assert steps == ["00000024", "00000030"]
+    # Rank 0 logged the training curve into the asset's MLflow run.
+    losses = MlflowClient(mlflow_uri).get_metric_history(meta["mlflow_run_id"], "train/loss")
+    assert [m.step for m in losses] == [5, 10, 15, 20, 25, 30]
+    # Worker output reached the Dagster log, tagged by node; Pipes carried rank 0's reports.
+    assert any(m.startswith("[node 1]") for m in env.first_log_messages)
+    assert any(m.startswith("step 30: train/loss=") for m in env.first_log_messages)  # via Pipes, not stdout
+
+
+def test_rerun_is_a_cache_hit(ddp_run, offline_data):
+    env, _, meta, _, _ = ddp_run
+    again, _ = outcome(env.materialize(run_config(offline_data)))
+    assert again["cache"] == "hit" and again["cache_key"] == meta["cache_key"]
+
+
+def test_one_node_two_processes_fsdp2(tmp_path, offline_data, mlflow_uri):
+    env = Env(tmp_path, mlflow_uri)
+    meta, checks = outcome(env.materialize(run_config(offline_data, strategy="fsdp2", num_nodes=1, nproc_per_node=2,
+                                                      checkpoint_every=15)))
+    assert meta["strategy"] == "fsdp2" and meta["steps"] == MAX_STEPS
+    assert checks == {"val_loss_beats_uniform": True, "export_reproduces_val_loss": True}
+    assert meta["val_loss"] < UNIFORM - 2.5
+
+
+def _workers(marker: str) -> list[int]:
+    """PIDs of the training workers (not the torchrun agents) whose command line mentions ``marker``."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        text = b" ".join(args).decode(errors="replace")
+        if "vlm_assets.train.gpt_pretrain" in text and "torch.distributed.run" not in text and marker in text:
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+def test_killed_worker_fails_cleanly_and_the_retry_resumes_the_same_curve(ddp_run, tmp_path, offline_data, mlflow_uri):
+    env = Env(tmp_path, mlflow_uri)
+    killed = {}
+
+    def kill_after_second_checkpoint():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            committed = sorted(env.root.glob("artifacts/checkpoints/gpt_checkpoint/*/step-*/_COMPLETE.json"))
+            if len(committed) >= 2 and (pids := _workers(str(tmp_path))):
+                killed["last_checkpoint"] = int(committed[-1].parent.name.split("-")[1])
+                killed["pid"] = max(pids)
+                os.kill(killed["pid"], signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_after_second_checkpoint)
+    killer.start()
+    result = env.materialize(run_config(offline_data))
+    killer.join()
+    assert killed, "the worker was never killed"
+
+    retries = [e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+    assert len(retries) == 1
+    assert "worker exit code -9" in str(retries[0].event_specific_data.error)
+    assert not _workers(str(tmp_path)), "a worker outlived the failed attempt"
+
+    meta, checks = outcome(result)
+    assert result.success and all(checks.values())
+    assert meta["resumed_from_step"] == killed["last_checkpoint"]
+    assert meta["steps"] == MAX_STEPS
+    resumed = json.loads((Path(meta["uri"]) / "history.json").read_text())
+    uninterrupted = ddp_run[4]
+    assert [p["step"] for p in resumed["train"]] == list(range(1, MAX_STEPS + 1))
+    # Same seed, same data position, same optimizer and LR state: the same curve (gloo on CPU is
+    # deterministic; the tolerance only absorbs float summation order).
+    for a, b in zip(resumed["train"], uninterrupted["train"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["lr"] == pytest.approx(b["lr"])
+    for a, b in zip(resumed["val"], uninterrupted["val"], strict=True):
+        assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+
+
+def test_damaged_checkpoint_is_skipped_for_the_previous_one_by_plain_torchrun(ddp_run, tmp_path):
+    env, _, meta, _, history = ddp_run
+    prefix = f"checkpoints/{meta['cache_key']}"
+    newest = env.store.local_path(f"{prefix}/step-00000030") / CHECKPOINT_FILE
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+
+    skipped = []
+    key, path = latest_checkpoint(env.store, prefix, skipped.append)
+    assert key.endswith("step-00000024") and path.is_file() and "step-00000030" in skipped[0]
+
+    # The trainer itself, without Dagster: resumes from step 24 and ends at the same loss.
+    shards = env.store.local_path(next(k for k in _keys(env.store, "token_shards")))
+    config = PretrainConfig(shards_uri=str(shards), out_dir=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"),
+                            checkpoint_store=env.resources["artifact_store"].spec(), checkpoint_prefix=prefix,
+                            **{k: v for k, v in GPT.items() if k not in ("num_nodes", "nproc_per_node")})
+    config.save(tmp_path / "run.json")
+    lines = []
+    run_local(LaunchSpec("vlm_assets.train.gpt_pretrain", ("--config", str(tmp_path / "run.json")), num_nodes=2,
+                         env={"OMP_NUM_THREADS": "1"}, timeout_s=300), on_line=lines.append)
+    assert any("skipping damaged checkpoint" in line and "step-00000030" in line for line in lines)
+    resumed = json.loads((tmp_path / "out" / "history.json").read_text())
+    assert resumed["resumed_from_step"] == 24
+    assert resumed["train"][-1]["loss"] == pytest.approx(history["train"][-1]["loss"], abs=1e-5)
+
+
+def _keys(store, asset):
+    return [k for k in store.list_complete(asset)]
+
+
+def test_bad_config_fails_at_once_naming_the_field(tmp_path, offline_data, mlflow_uri):
+    env = Env(tmp_path, mlflow_uri)
+    result = env.materialize(run_config(offline_data, global_batch_size=7), raise_on_error=False)
+    failure = result.get_step_failure_events()
+    assert not result.success and len(failure) == 1
+    assert "global_batch_size 7 is not a multiple of" in failure[0].step_failure_data.user_failure_data.description
