@@ -12,15 +12,17 @@ def test_definitions_snapshot():
     definitions = defs()
     graph = definitions.resolve_asset_graph()
     assert sorted(k.to_user_string() for k in definitions.resolve_all_asset_keys()) == [
-        "occlusion_manifests", "token_shards"]
+        "gpt_checkpoint", "occlusion_manifests", "token_shards"]
     assert sorted(c.name for c in graph.asset_check_keys) == [
         "boxes_within_configured_bounds", "counts_match_config", "every_class_present_and_balanced",
-        "every_image_readable", "every_shard_readable", "token_counts_match_summary", "token_ids_within_vocab"]
+        "every_image_readable", "every_shard_readable", "export_reproduces_val_loss", "token_counts_match_summary",
+        "token_ids_within_vocab", "val_loss_beats_uniform"]
     assert all(spec.blocking for checks in definitions.asset_checks for spec in checks.check_specs)
     job = definitions.resolve_job_def("main_job")
-    assert {n.name for n in job.nodes} >= {"occlusion_manifests", "token_shards"}
+    assert {n.name for n in job.nodes} >= {"occlusion_manifests", "token_shards", "gpt_checkpoint"}
+    assert graph.get(dg.AssetKey("gpt_checkpoint")).parent_keys == {dg.AssetKey("token_shards")}
     assert definitions.resolve_schedule_def("main_schedule").cron_schedule == "0 3 * * *"
-    assert set(definitions.resources) >= {"artifact_store", "mlflow"}
+    assert set(definitions.resources) >= {"artifact_store", "mlflow", "launcher"}
 
 
 def test_environment_switches(tmp_path, monkeypatch):
@@ -31,7 +33,8 @@ def test_environment_switches(tmp_path, monkeypatch):
     s3 = resources_for({"VLM_ASSETS_STORE": "s3", "VLM_ASSETS_S3_BUCKET": "b", "AWS_ENDPOINT_URL": "http://x:9000"})
     assert s3["artifact_store"].bucket == "b" and s3["artifact_store"].s3.endpoint_url == "http://x:9000"
     for bad, message in (({"VLM_ASSETS_STORE": "gcs"}, "expected 'local' or 's3'"),
-                         ({"VLM_ASSETS_STORE": "s3"}, "needs VLM_ASSETS_S3_BUCKET")):
+                         ({"VLM_ASSETS_STORE": "s3"}, "needs VLM_ASSETS_S3_BUCKET"),
+                         ({"VLM_ASSETS_LAUNCHER": "slurm"}, "'local' launcher only")):
         try:
             resources_for(bad)
         except ValueError as err:

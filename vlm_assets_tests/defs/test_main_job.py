@@ -32,11 +32,12 @@ def test_main_job_materializes_the_graph_then_hits_the_cache(tmp_path, offline_d
 
     first, _ = _execute(env)
     assert "RUN_SUCCESS" in first
-    assert len(re.findall(r"ASSET_CHECK_EVALUATION - Asset check '\w+' on '\w+' passed", first)) == 7
+    assert len(re.findall(r"ASSET_CHECK_EVALUATION - Asset check '\w+' on '\w+' passed", first)) == 9
     artifacts = sorted(p.parent.relative_to(tmp_path / "home" / "artifacts").as_posix()
                        for p in (tmp_path / "home" / "artifacts").glob("*/*/_COMPLETE.json"))
-    assert [a.split("/")[0] for a in artifacts] == ["occlusion_manifests", "token_shards"]
+    assert [a.split("/")[0] for a in artifacts] == ["gpt_checkpoint", "occlusion_manifests", "token_shards"]
+    assert "[node 1]" in first  # the GPT trained on two torchrun nodes
     assert (tmp_path / "home" / "mlflow.db").is_file()
 
     second, _ = _execute(env)
-    assert second.count("cache hit:") == 2 and "RUN_SUCCESS" in second
+    assert second.count("cache hit:") == 3 and "RUN_SUCCESS" in second
