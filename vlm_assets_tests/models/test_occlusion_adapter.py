@@ -1,0 +1,62 @@
+"""The adapter's exact architecture, and Qwen's packed patches against the real image processor."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vlm_assets.models.occlusion_adapter import NUM_PARAMETERS, OcclusionAdapter
+from vlm_assets.models.qwen_patches import dense_to_packed, packed_to_dense
+
+
+def test_adapter_has_the_seed_parameter_count_and_starts_near_identity():
+    adapter = OcclusionAdapter()
+    assert sum(p.numel() for p in adapter.parameters()) == NUM_PARAMETERS == 10_532
+    assert adapter.gate.item() == pytest.approx(0.10)
+    pixels, mask = torch.rand(2, 3, 28, 28), torch.zeros(2, 1, 28, 28)
+    out = adapter(pixels, mask)
+    assert out.shape == pixels.shape
+    assert (out - pixels).abs().max() <= np.tanh(0.10) + 1e-6  # |tanh(gate) * tanh(.)| bound
+
+
+def test_adapter_refuses_wrong_shapes():
+    adapter = OcclusionAdapter()
+    with pytest.raises(ValueError, match="pixels must be"):
+        adapter(torch.rand(2, 4, 28, 28), torch.zeros(2, 1, 28, 28))
+    with pytest.raises(ValueError, match="mask must be"):
+        adapter(torch.rand(2, 3, 28, 28), torch.zeros(2, 1, 14, 28))
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 3), gh=st.integers(1, 4), gw=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_dense_and_packed_are_exact_inverses(batch, gh, gw, seed):
+    pixels = torch.randn(batch, 3, 28 * gh, 28 * gw, generator=torch.Generator().manual_seed(seed))
+    packed, grid = dense_to_packed(pixels)
+    assert packed.shape == (batch * 4 * gh * gw, 3 * 2 * 14 * 14)
+    assert grid.tolist() == [[1, 2 * gh, 2 * gw]] * batch
+    back = packed_to_dense(packed, grid)
+    assert all(torch.equal(b, p) for b, p in zip(back, pixels))
+    assert torch.equal(dense_to_packed(torch.stack(back))[0], packed)
+
+
+@settings(max_examples=10, deadline=None)
+@given(height=st.sampled_from([56, 84, 112]), width=st.sampled_from([56, 112, 140]), seed=st.integers(0, 2**16))
+def test_packing_matches_the_real_qwen_image_processor(height, width, seed):
+    from transformers import Qwen2VLImageProcessor
+
+    processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=1024 * 1024)
+    image = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = processor(images=[image], return_tensors="pt")
+    mean, std = torch.tensor(processor.image_mean), torch.tensor(processor.image_std)
+    dense = ((torch.from_numpy(image).permute(2, 0, 1).float() / 255 - mean[:, None, None]) / std[:, None, None])[None]
+    packed, grid = dense_to_packed(dense)
+    assert grid.tolist() == out["image_grid_thw"].tolist()
+    assert torch.allclose(packed, out["pixel_values"], atol=1e-5)
+    (recovered,) = packed_to_dense(out["pixel_values"], out["image_grid_thw"])
+    assert torch.allclose(recovered, dense[0], atol=1e-5)
+
+
+def test_packing_refuses_sizes_that_do_not_tile():
+    with pytest.raises(ValueError, match="multiple of patch x merge = 28"):
+        dense_to_packed(torch.zeros(1, 3, 30, 28))
