@@ -1,0 +1,114 @@
+"""A frozen vision-language backbone behind a small interface: images + prompts -> loss / answers.
+
+``QwenVLBackbone`` wraps ``Qwen2_5_VLForConditionalGeneration`` (hub id or local directory). Images
+arrive as dense (B, 3, H, W) pixels in [0, 1] (an adapter's output); they are normalized with the
+image processor's mean/std and packed into Qwen's patch rows in torch, so gradients reach the adapter.
+Another backbone plugs in by implementing ``FrozenVLM``.
+"""
+
+import re
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from vlm_assets.models.qwen_patches import MERGE, PATCH, dense_to_packed
+
+IGNORE_INDEX = -100
+
+
+def normalize_answer(text: str) -> str:
+    """Lower case, punctuation and extra spaces removed: what exact match compares."""
+    return " ".join(re.sub(r"[^\w\s-]", " ", text.lower()).split())
+
+
+class FrozenVLM(nn.Module, ABC):
+    @abstractmethod
+    def loss(self, pixels: torch.Tensor, prompts: list[str], answers: list[str]) -> torch.Tensor:
+        """Mean cross-entropy of the answer tokens only (prompt and image tokens masked)."""
+
+    @abstractmethod
+    def generate(self, pixels: torch.Tensor, prompts: list[str], max_new_tokens: int = 8) -> list[str]:
+        """Greedy answers, decoded."""
+
+
+class QwenVLBackbone(FrozenVLM):
+    def __init__(self, name_or_path: str, *, max_length: int = 512, dtype: torch.dtype = torch.float32,
+                 gradient_checkpointing: bool = True):
+        super().__init__()
+        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+
+        if ("/" in name_or_path and name_or_path.startswith((".", "/", "~"))) and not Path(name_or_path).expanduser().is_dir():
+            raise FileNotFoundError(f"backbone: directory {name_or_path} does not exist")
+        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            name_or_path, dtype=dtype, attn_implementation="sdpa")
+        self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        processor = Qwen2VLImageProcessor.from_pretrained(name_or_path)
+        self.register_buffer("mean", torch.tensor(processor.image_mean).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(processor.image_std).view(1, 3, 1, 1), persistent=False)
+        self.max_length = max_length
+        self.model.requires_grad_(False)
+        self.model.eval()
+        if gradient_checkpointing:
+            # Recomputes the frozen layers in backward: activations are what the adapter's gradient
+            # has to flow through, and they dominate memory.
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.model.eval()  # frozen: dropout and the like stay off even while the adapter trains
+        return self
+
+    def _pixels(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        normalized = (pixels - self.mean) / self.std
+        packed, grid = dense_to_packed(normalized.to(self.model.dtype))
+        tokens_per_image = int(grid[0, 1] * grid[0, 2]) // (MERGE * MERGE)
+        return packed, grid, tokens_per_image
+
+    def _prefix(self, prompt: str, image_tokens: int) -> list[int]:
+        text = (f"<|im_start|>user\n<|vision_start|>{'<|image_pad|>' * image_tokens}<|vision_end|>{prompt}"
+                f"<|im_end|>\n<|im_start|>assistant\n")
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _batch(self, pixels, prompts, answers=None, left_pad=False):
+        if pixels.shape[0] != len(prompts) or (answers is not None and len(answers) != len(prompts)):
+            raise ValueError(f"{pixels.shape[0]} images, {len(prompts)} prompts, {len(answers or prompts)} answers")
+        packed, grid, image_tokens = self._pixels(pixels)
+        rows, labels = [], []
+        for i, prompt in enumerate(prompts):
+            prefix = self._prefix(prompt, image_tokens)
+            target = [] if answers is None else self.tokenizer(f"{answers[i]}<|im_end|>", add_special_tokens=False)["input_ids"]
+            if len(prefix) + len(target) > self.max_length:
+                raise ValueError(f"sample {i}: prompt + answer is {len(prefix) + len(target)} tokens "
+                                 f"({image_tokens} image tokens), longer than max_length {self.max_length}")
+            rows.append(prefix + target)
+            labels.append([IGNORE_INDEX] * len(prefix) + target)
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        lab = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        for i, (row, label) in enumerate(zip(rows, labels)):
+            span = slice(width - len(row), width) if left_pad else slice(0, len(row))
+            ids[i, span], mask[i, span], lab[i, span] = torch.tensor(row), 1, torch.tensor(label)
+        device = pixels.device
+        return ids.to(device), mask.to(device), lab.to(device), packed, grid
+
+    def loss(self, pixels, prompts, answers):
+        ids, mask, labels, packed, grid = self._batch(pixels, prompts, answers)
+        return self.model(input_ids=ids, attention_mask=mask, pixel_values=packed, image_grid_thw=grid,
+                          labels=labels).loss
+
+    @torch.no_grad()
+    def generate(self, pixels, prompts, max_new_tokens=8):
+        ids, mask, _, packed, grid = self._batch(pixels, prompts, left_pad=True)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, pixel_values=packed, image_grid_thw=grid,
+                                  max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_id)
+        return self.tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+
+
+def image_size_ok(size: int) -> int:
+    if size % (PATCH * MERGE):
+        raise ValueError(f"image_size {size} must be a multiple of {PATCH * MERGE} (Qwen patch 14 x merge 2)")
+    return size

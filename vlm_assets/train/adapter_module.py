@@ -1,0 +1,94 @@
+"""Lightning parts of adapter training: the frozen backbone with the trainable adapter in front, and
+the occlusion data. Only adapter parameters are optimized and checkpointed."""
+
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import Dataset
+
+from vlm_assets.data.occlusion_dataset import OcclusionDataset
+from vlm_assets.models.frozen_vlm import QwenVLBackbone
+from vlm_assets.models.occlusion_adapter import OcclusionAdapter
+from vlm_assets.train.adapter_config import AdapterTrainConfig
+
+ADAPTER_PREFIX = "adapter."
+
+
+class OcclusionSamples(Dataset):
+    """Manifest rows as dicts: occluded/clean pixels, mask, label index, prompt and answer text."""
+
+    def __init__(self, root: Path, split: str, image_size: int, limit: int | None):
+        self.images = OcclusionDataset(root, split, image_size)
+        self.count = len(self.images) if limit is None else min(limit, len(self.images))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> dict:
+        occluded, clean, mask, label_index = self.images[i]
+        row = self.images.rows[i]
+        return {"occluded": occluded, "clean": clean, "mask": mask, "label_index": label_index,
+                "prompt": row["prompt"], "answer": row["label"]}
+
+
+def masked_l1(restored: torch.Tensor, clean: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean absolute error over the occluded pixels (all 3 channels) only."""
+    return ((restored - clean).abs() * mask).sum() / (mask.sum() * restored.shape[1]).clamp(min=1.0)
+
+
+class AdapterModule(L.LightningModule):
+    def __init__(self, config: AdapterTrainConfig):
+        super().__init__()
+        self.config = config
+        self.adapter = OcclusionAdapter()
+        self.backbone: QwenVLBackbone | None = None
+        self.strict_loading = False  # checkpoints hold the adapter only
+
+    def configure_model(self) -> None:
+        if self.backbone is None:
+            dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+            self.backbone = QwenVLBackbone(self.config.backbone, max_length=self.config.max_length, dtype=dtype)
+
+    def losses(self, batch: dict) -> dict[str, torch.Tensor]:
+        restored = self.adapter(batch["occluded"], batch["mask"])
+        lm = self.backbone.loss(restored, batch["prompt"], batch["answer"])
+        rec = masked_l1(restored, batch["clean"], batch["mask"])
+        return {"loss": lm + self.config.reconstruction_loss_weight * rec, "lm_loss": lm, "reconstruction_loss": rec}
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        losses = self.losses(batch)
+        self.log_dict({f"train/{k}": v.detach() for k, v in losses.items()}, batch_size=len(batch["prompt"]))
+        self.log("train/gate", self.adapter.gate.detach())
+        return losses["loss"]
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        losses = self.losses(batch)
+        self.log_dict({f"val/{k}": v for k, v in losses.items()}, sync_dist=True, batch_size=len(batch["prompt"]))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.adapter.parameters(), lr=self.config.lr, betas=(0.9, 0.95),
+                                 weight_decay=self.config.weight_decay)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Never the backbone: a checkpoint is the adapter (kilobytes) plus optimizer and loop state.
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith(ADAPTER_PREFIX)}
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.backbone is not None:
+            self.backbone.train(False)
+        return self
+
+
+def collate(samples: list[dict]) -> dict:
+    out = {k: torch.stack([s[k] for s in samples]) for k in ("occluded", "clean", "mask")}
+    out["label_index"] = torch.tensor([s["label_index"] for s in samples])
+    out["prompt"] = [s["prompt"] for s in samples]
+    out["answer"] = [s["answer"] for s in samples]
+    return out
+
+
+def class_names(manifests_dir: Path) -> list[str]:
+    return json.loads((Path(manifests_dir) / "dataset.json").read_text())["class_names"]

@@ -1,0 +1,141 @@
+"""Occlusion-adapter training entry point: one process per device, started by torchrun or the launcher.
+
+    torchrun --nnodes=1 --nproc-per-node=2 -m vlm_assets.train.adapter_train --config run.json
+
+``run.json`` is an ``AdapterTrainConfig``. The backbone is frozen; only the 10,532 adapter parameters
+are trained (DeepSpeed ZeRO-2 with frozen parameters excluded on GPUs, DDP with gloo on CPU). After
+every validation epoch a recovery checkpoint (adapter, optimizer, loop state, metrics history) is
+committed to the artifact store; a relaunch resumes from the newest intact one. Rank 0 writes
+``adapter.safetensors`` and ``history.json`` into ``out_dir`` and reports through Pipes.
+"""
+
+import argparse
+import os
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+
+from vlm_assets.storage import store_from_spec
+from vlm_assets.train.adapter_config import AdapterTrainConfig
+from vlm_assets.train.adapter_module import AdapterModule, OcclusionSamples, collate
+from vlm_assets.train.checkpoints import StoreCheckpoint, latest_checkpoint
+from vlm_assets.train.reporting import Reporter
+
+warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+
+
+class EpochHistory(L.Callback):
+    """Train metrics every ``every`` steps; per-epoch train/val means. Saved in every checkpoint."""
+
+    def __init__(self, reporter: Reporter, every: int):
+        self.reporter, self.every = reporter, every
+        self.epochs: list[dict[str, float]] = []
+        self.resumed_from_epoch: int | None = None
+        self._sums: dict[str, float] = {}
+        self._count = 0
+        self._last_step = -1
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch:
+            self.resumed_from_epoch = trainer.current_epoch
+            self.reporter.log(f"resumed at epoch {trainer.current_epoch} (step {trainer.global_step})")
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._sums, self._count = {}, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
+        for k, v in metrics.items():
+            self._sums[k] = self._sums.get(k, 0.0) + v
+        self._count += 1
+        if trainer.global_step != self._last_step and trainer.global_step % self.every == 0:
+            self._last_step = trainer.global_step
+            self.reporter.metrics(metrics, trainer.global_step)
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        row = {"epoch": trainer.current_epoch, "step": trainer.global_step,
+               **{k: v / max(self._count, 1) for k, v in self._sums.items()},
+               **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
+        self.epochs.append(row)
+        self.reporter.metrics({k: v for k, v in row.items() if "/" in k}, trainer.global_step)
+
+    def state_dict(self) -> dict:
+        return {"epochs": self.epochs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epochs = state["epochs"]
+
+
+def build_trainer(config: AdapterTrainConfig, callbacks) -> L.Trainer:
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available()
+    strategy = config.strategy if config.strategy != "auto" else ("deepspeed" if cuda else "ddp")
+    if strategy == "deepspeed":
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        strategy_obj = DeepSpeedStrategy(stage=2, exclude_frozen_parameters=True)
+    else:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy_obj = DDPStrategy(process_group_backend="nccl" if cuda else "gloo")
+    return L.Trainer(
+        accelerator="gpu" if cuda else "cpu", devices=local_world, num_nodes=world // local_world,
+        strategy=strategy_obj, precision="bf16-mixed" if cuda else "32-true", max_epochs=config.epochs,
+        accumulate_grad_batches=config.accumulation(world), gradient_clip_val=config.grad_clip or None,
+        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, required=True, help="an AdapterTrainConfig JSON file")
+    config = AdapterTrainConfig.load(parser.parse_args(argv).config)
+    rank = int(os.environ.get("RANK", 0))
+    with Reporter.open(rank, config.mlflow_tracking_uri, config.mlflow_run_id) as reporter:
+        train(config, rank, reporter)
+
+
+def train(config: AdapterTrainConfig, rank: int, reporter: Reporter) -> None:
+    L.seed_everything(config.seed, workers=True, verbose=False)
+    root = Path(config.manifests_dir)
+    train_data = OcclusionSamples(root, "train", config.image_size, config.num_train)
+    val_data = OcclusionSamples(root, "validation", config.image_size, config.num_validation)
+    store = store_from_spec(config.checkpoint_store)
+    cache = Path(config.cache_dir) / f"rank{rank}"
+    resume = latest_checkpoint(store, config.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
+    history = EpochHistory(reporter, config.log_every)
+    checkpoints = StoreCheckpoint(store, config.checkpoint_prefix, every=1, val_every=1, keep_last=2,
+                                  staging=cache / "staging", log=reporter.log)
+    trainer = build_trainer(config, [history, checkpoints])
+    module = AdapterModule(config)
+    loaders = [DataLoader(data, batch_size=config.micro_batch_size, shuffle=shuffle, collate_fn=collate)
+               for data, shuffle in ((train_data, True), (val_data, False))]
+    reporter.log(f"adapter on frozen {config.backbone}: {len(train_data)} train / {len(val_data)} val samples, "
+                 + (f"resuming from {resume[0]}" if resume else "starting from scratch"))
+    trainer.fit(module, *loaders, ckpt_path=str(resume[1]) if resume else None)
+    if rank == 0:
+        out = Path(config.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in module.adapter.state_dict().items()},
+                  str(out / "adapter.safetensors"))
+        import json
+
+        (out / "history.json").write_text(json.dumps({"epochs": history.epochs,
+                                                      "resumed_from_epoch": history.resumed_from_epoch}))
+        last = history.epochs[-1]
+        reporter.materialization({**{k.replace("/", "_"): v for k, v in last.items()},
+                                  "gate": float(module.adapter.gate), "epochs": config.epochs,
+                                  "resumed_from_epoch": -1 if history.resumed_from_epoch is None else history.resumed_from_epoch})
+    trainer.strategy.barrier("adapter written")
+
+
+if __name__ == "__main__":
+    main()
