@@ -1,0 +1,140 @@
+"""``occlusion_adapter`` -> ``eval_report`` -> ``registered_adapter``: train the adapter in front of a
+frozen VLM, prove it helps, and register it in the MLflow Model Registry only when the checks pass."""
+
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+import dagster as dg
+import torch
+from pydantic import Field
+from safetensors.torch import load_file
+
+from vlm_assets.defs.platform.launcher import TrainingLauncher
+from vlm_assets.defs.platform.memo import Built, ValidatedConfig, artifact_key, materialize_memoized
+from vlm_assets.defs.platform.storage import ArtifactStoreResource
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.launch import LaunchSpec
+from vlm_assets.memo import cache_key
+from vlm_assets.paths import home_dir
+from vlm_assets.storage import ArtifactRef, ArtifactStore
+from vlm_assets.train.adapter_config import AdapterTrainConfig
+
+TINY_CLEAN = "tiny-clean"
+
+
+class OcclusionAdapterConfig(ValidatedConfig):
+    backbone: str = Field(default="Qwen/Qwen2.5-VL-3B-Instruct", description=(
+        "Frozen Qwen2.5-VL: hub id or local directory. 'tiny-clean' builds a tiny Qwen2.5-VL and teaches it "
+        "the clean task first (no hub needed; demo and tests)."))
+    epochs: int = Field(default=8, description="Training epochs.")
+    lr: float = Field(default=2e-4, description="AdamW learning rate (betas 0.9, 0.95).")
+    weight_decay: float = Field(default=1e-2, description="AdamW weight decay.")
+    global_batch_size: int = Field(default=16, description="Samples per optimizer step over all processes.")
+    micro_batch_size: int = Field(default=1, description="Samples per process per step (accumulation fills the gap).")
+    grad_clip: float = Field(default=1.0, description="Gradient norm clip (0 disables).")
+    image_size: int = Field(default=224, description="Square input size (multiple of 28).")
+    max_length: int = Field(default=512, description="Longest prompt + answer in tokens.")
+    reconstruction_loss_weight: float = Field(default=0.35, description="Weight of the masked L1 reconstruction loss.")
+    seed: int = Field(default=7, description="Seeds init and data order.")
+    strategy: str = Field(default="auto", description="auto (DeepSpeed ZeRO-2 on GPUs, DDP on CPU), ddp, deepspeed.")
+    num_nodes: int = Field(default=1, description="Nodes for the launcher.")
+    nproc_per_node: int = Field(default=1, description="Processes per node.")
+    num_train: int | None = Field(default=None, description="Use the first N training rows (unset = all).")
+    num_validation: int | None = Field(default=None, description="Use the first N validation rows (unset = all).")
+    log_every: int = Field(default=10, description="Report train metrics every this many steps.")
+    timeout_s: int = Field(default=24 * 3600, description="The training job's time limit.")
+    clean_backbone_steps: int = Field(default=600, description="tiny-clean only: clean-task training steps.")
+
+    def check_values(self) -> None:
+        if self.num_nodes < 1 or self.nproc_per_node < 1:
+            raise ValueError("config fields num_nodes and nproc_per_node must be >= 1")
+        if self.backbone != TINY_CLEAN and self.backbone.startswith(("/", ".", "~")) and not Path(self.backbone).expanduser().is_dir():
+            raise FileNotFoundError(f"config field backbone: directory {self.backbone} does not exist")
+        self.train_config("", "", "", "", {}, "").accumulation(self.num_nodes * self.nproc_per_node)
+
+    def train_config(self, manifests: str, backbone: str, out_dir: str, cache: str, store: dict, prefix: str,
+                     tracking_uri: str | None = None, run_id: str | None = None) -> AdapterTrainConfig:
+        fields = self.model_dump(exclude={"backbone", "num_nodes", "nproc_per_node", "timeout_s", "clean_backbone_steps"})
+        try:
+            return AdapterTrainConfig(manifests_dir=manifests, backbone=backbone, out_dir=out_dir, cache_dir=cache,
+                                      checkpoint_store=store, checkpoint_prefix=prefix, mlflow_tracking_uri=tracking_uri,
+                                      mlflow_run_id=run_id, **fields)
+        except ValueError as err:
+            raise ValueError(f"config field {err}") from err
+
+
+def _runs_dir() -> Path:
+    path = home_dir() / "runs"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def resolve_backbone(config: OcclusionAdapterConfig, store: ArtifactStore, manifests: ArtifactRef, log) -> str:
+    """The backbone to load: the configured hub id / directory, or the memoized tiny clean-task backbone."""
+    if config.backbone != TINY_CLEAN:
+        return config.backbone
+    from vlm_assets.models.tiny_qwen import build_tiny_qwen
+    from vlm_assets.train.clean_backbone import train_clean_backbone
+
+    key = "backbones/tiny-clean/" + cache_key("tiny-clean", "1", {"image_size": config.image_size,
+                                              "steps": config.clean_backbone_steps}, {"manifests": manifests.data_version})
+    if not store.exists(key):
+        log(f"teaching a tiny Qwen2.5-VL the clean task ({config.clean_backbone_steps} steps) -> {key}")
+        root = store.local_path(manifests.key)
+        rows = [json.loads(line) for line in (root / "train.jsonl").read_text().splitlines()[:1]]
+        names = json.loads((root / "dataset.json").read_text())["class_names"]
+        with store.staging_dir(key) as staging:
+            tiny = build_tiny_qwen(staging / "init", [rows[0]["prompt"]] + names * 20)
+            train_clean_backbone(tiny, root, staging / "model", image_size=config.image_size,
+                                 steps=config.clean_backbone_steps)
+            shutil.rmtree(tiny)
+            store.commit(key, staging, metadata={"image_size": config.image_size})
+    return str(store.local_path(key) / "model")
+
+
+@dg.asset(code_version="1", kinds={"pytorch", "lightning"}, group_name="models",
+          retry_policy=dg.RetryPolicy(max_retries=2, delay=2))
+def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapterConfig,
+                      occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource,
+                      mlflow: MlflowTrackingResource, launcher: TrainingLauncher) -> dg.Output[ArtifactRef]:
+    """A 10,532-parameter residual Conv2d adapter trained in front of a frozen Qwen2.5-VL so it answers
+    correctly on occluded images: LM loss on the answer tokens + 0.35 x masked L1 to the clean image.
+    Contains ``adapter.safetensors``, ``backbone.json`` (what it was trained against) and ``history.json``.
+    A retry resumes from the last per-epoch recovery checkpoint."""
+    upstream = {"occlusion_manifests": occlusion_manifests}
+    key = artifact_key(context, config, upstream)
+    store = artifact_store.get_store()
+
+    def build(staging: Path, run: TrackedRun) -> Built:
+        backbone = resolve_backbone(config, store, occlusion_manifests, context.log.info)
+        work = Path(tempfile.mkdtemp(prefix="adapter-", dir=_runs_dir()))
+        try:
+            train = config.train_config(str(store.local_path(occlusion_manifests.key)), backbone, str(staging),
+                                        str(work), artifact_store.spec(), f"checkpoints/{key}",
+                                        mlflow.tracking_uri, run.run_id)
+            train.save(work / "run.json")
+            reports = launcher.launch(context, LaunchSpec(
+                "vlm_assets.train.adapter_train", ("--config", str(work / "run.json")), num_nodes=config.num_nodes,
+                nproc_per_node=config.nproc_per_node, timeout_s=config.timeout_s, name="occlusion_adapter"))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        values = {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}
+        rows = [json.loads(line) for line in (store.local_path(occlusion_manifests.key) / "train.jsonl").read_text().splitlines()[:1]]
+        (staging / "backbone.json").write_text(json.dumps({
+            "backbone": backbone, "image_size": config.image_size, "max_length": config.max_length, "prompt": rows[0]["prompt"]}))
+        return Built(metrics={k: float(v) for k, v in values.items() if isinstance(v, (int, float))},
+                     metadata={"backbone": backbone})
+
+    return materialize_memoized(context, store=store, mlflow=mlflow, config=config, build=build, upstream=upstream)
+
+
+@dg.asset_check(asset=occlusion_adapter, blocking=True)
+def adapter_weights_finite(occlusion_adapter: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
+    """The gate and every adapter weight are finite."""
+    weights = load_file(str(artifact_store.get_store().local_path(occlusion_adapter.key) / "adapter.safetensors"))
+    bad = [name for name, t in weights.items() if not torch.isfinite(t).all()]
+    return dg.AssetCheckResult(passed=not bad, description=f"non-finite: {bad}" if bad else "all finite",
+                               metadata={"gate": float(weights["gate"]), "num_parameters": sum(t.numel() for t in weights.values())})

@@ -1,0 +1,1 @@
+"""Evaluation code (no dagster imports)."""

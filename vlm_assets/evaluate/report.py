@@ -1,0 +1,119 @@
+"""A self-contained HTML report (every image inlined) and the plots it and the Dagster UI show."""
+
+import base64
+import html
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from vlm_assets.evaluate.occlusion_eval import CONDITIONS, EvalResult, exact_match  # noqa: E402
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def data_uri(png: bytes) -> str:
+    return f"data:image/png;base64,{base64.b64encode(png).decode()}"
+
+
+def loss_curves_png(epochs: list[dict]) -> bytes:
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    x = [e["epoch"] + 1 for e in epochs]
+    for key, style in (("train/loss", "-o"), ("val/loss", "-s"), ("train/lm_loss", ":"), ("val/lm_loss", ":"),
+                       ("val/reconstruction_loss", "--")):
+        if epochs and key in epochs[0]:
+            ax.plot(x, [e[key] for e in epochs], style, label=key)
+    ax.set(xlabel="epoch", ylabel="loss", title="adapter training")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def accuracy_png(summary: dict[str, float]) -> bytes:
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    names = ["identity (occluded)", "adapter (occluded)", "clean"]
+    keys = ["identity", "adapter", "clean"]
+    strict = [summary[f"accuracy_{k}"] for k in keys]
+    lenient = [summary[f"lenient_accuracy_{k}"] for k in keys]
+    pos = np.arange(3)
+    ax.bar(pos - 0.2, strict, 0.4, label="exact match")
+    ax.bar(pos + 0.2, lenient, 0.4, label="lenient match")
+    ax.set_xticks(pos, names)
+    ax.set(ylim=(0, 1), ylabel="accuracy", title=f"adapter gain {summary['adapter_gain']:+.1%} (exact match)")
+    ax.legend()
+    return _png(fig)
+
+
+def confusion_png(result: EvalResult, condition: str = "adapter") -> bytes:
+    matrix = result.confusion(condition)
+    fig, ax = plt.subplots(figsize=(6.5, 5.5), dpi=100)
+    ax.imshow(matrix, cmap="Blues")
+    ax.set_xticks(range(matrix.shape[1]), result.class_names + ["other"], rotation=60, ha="right")
+    ax.set_yticks(range(matrix.shape[0]), result.class_names)
+    for (i, j), v in np.ndenumerate(matrix):
+        if v:
+            ax.text(j, i, str(v), ha="center", va="center", fontsize=7)
+    ax.set(xlabel="predicted", ylabel="true", title=f"confusion ({condition})")
+    return _png(fig)
+
+
+def _image(pixels: torch.Tensor, size: int = 96) -> str:
+    array = (pixels.detach().clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8)
+    img = Image.fromarray(array).resize((size, size), Image.Resampling.NEAREST)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return data_uri(buf.getvalue())
+
+
+def markdown_table(summary: dict[str, float]) -> str:
+    rows = ["| condition | exact match | lenient match |", "|---|---:|---:|"]
+    for c in CONDITIONS:
+        rows.append(f"| {c} | {summary[f'accuracy_{c}']:.1%} | {summary[f'lenient_accuracy_{c}']:.1%} |")
+    rows.append(f"\nAdapter gain (exact match): **{summary['adapter_gain']:+.1%}** on {summary['num_samples']} images.")
+    return "\n".join(rows)
+
+
+def html_report(result: EvalResult, epochs: list[dict], cards: list[dict], title: str) -> str:
+    """``cards``: dicts with occluded, restored, clean (tensors), label, predictions (condition -> answer)."""
+    summary = result.summary()
+    esc = html.escape
+    epoch_keys = sorted({k for e in epochs for k in e if "/" in k})
+    epoch_rows = "".join(
+        "<tr>" + f"<td>{e['epoch'] + 1}</td>" + "".join(f"<td>{e.get(k, float('nan')):.4f}</td>" for k in epoch_keys) + "</tr>"
+        for e in epochs)
+    summary_rows = "".join(
+        f"<tr><td>{c}</td><td>{summary[f'accuracy_{c}']:.1%}</td><td>{summary[f'lenient_accuracy_{c}']:.1%}</td></tr>"
+        for c in CONDITIONS)
+    per_class = "".join(
+        f"<tr><td>{esc(name)}</td>" + "".join(f"<td>{result.per_class(c)[i]:.0%}</td>" for c in CONDITIONS) + "</tr>"
+        for i, name in enumerate(result.class_names))
+    card_html = "".join(
+        f"<div class='card'><img src='{_image(c['occluded'])}' title='occluded'><img src='{_image(c['restored'])}' "
+        f"title='adapter output'><img src='{_image(c['clean'])}' title='clean'><p>label <b>{esc(c['label'])}</b><br>"
+        + "".join(f"<span class='{'ok' if exact_match(p, c['label']) else 'bad'}'>{k}: {esc(p) or '(empty)'}</span><br>"
+                  for k, p in c["predictions"].items())
+        + "</p></div>" for c in cards)
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{esc(title)}</title><style>
+body{{font-family:sans-serif;margin:2em;max-width:1100px}} table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} .card{{display:inline-block;margin:6px;padding:6px;
+border:1px solid #ddd;width:310px;vertical-align:top}} .card img{{margin:2px}} .ok{{color:#070}} .bad{{color:#b00}}
+</style></head><body><h1>{esc(title)}</h1>
+<h2>Evaluation summary</h2><table><tr><th>condition</th><th>exact match</th><th>lenient match</th></tr>{summary_rows}</table>
+<p>Adapter gain (exact match): <b>{summary['adapter_gain']:+.1%}</b> on {summary['num_samples']} images.</p>
+<img src="{data_uri(accuracy_png(summary))}">
+<h2>Training</h2><img src="{data_uri(loss_curves_png(epochs))}">
+<table><tr><th>epoch</th>{''.join(f'<th>{esc(k)}</th>' for k in epoch_keys)}</tr>{epoch_rows}</table>
+<h2>Per class (exact match)</h2><table><tr><th>class</th>{''.join(f'<th>{c}</th>' for c in CONDITIONS)}</tr>{per_class}</table>
+<img src="{data_uri(confusion_png(result))}">
+<h2>Prediction cards</h2><p>occluded input, adapter output, clean image; predictions per condition.</p>{card_html}
+</body></html>"""

@@ -1,0 +1,142 @@
+"""occlusion_manifests -> occlusion_adapter -> eval_report -> registered_adapter on CPU, with a tiny
+Qwen2.5-VL (built from a config, saved and loaded through from_pretrained) that first learned the
+clean Fashion-MNIST task and is then frozen; the adapter trains at 2 processes through the launcher."""
+
+import json
+import re
+from pathlib import Path
+
+import dagster as dg
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from vlm_assets.defs.data.occlusion_assets import occlusion_manifests
+from vlm_assets.defs.models.adapter_assets import adapter_weights_finite, occlusion_adapter
+from vlm_assets.defs.models.eval_assets import (
+    adapter_accuracy_meets_threshold,
+    adapter_gain_non_negative,
+    eval_report,
+    registered_adapter,
+)
+from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
+from vlm_assets.defs.platform.storage import LocalArtifactStoreResource
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource
+
+pytestmark = pytest.mark.slow
+
+GRAPH = [occlusion_manifests, occlusion_adapter, adapter_weights_finite, eval_report, adapter_accuracy_meets_threshold,
+         adapter_gain_non_negative, registered_adapter]
+ADAPTER = {"backbone": "tiny-clean", "clean_backbone_steps": 400, "image_size": 56, "epochs": 3, "lr": 5e-3,
+           "micro_batch_size": 8, "global_batch_size": 16, "nproc_per_node": 2, "num_train": 480, "log_every": 10}
+
+
+def run_config(offline_data, adapter=None, report=None):
+    return {"ops": {
+        "occlusion_manifests": {"config": {"source": "fashion_mnist", "source_uri": str(offline_data / "fashion-mnist"),
+                                           "num_train": 1000, "num_validation": 200}},
+        "occlusion_adapter": {"config": {**ADAPTER, **(adapter or {})}},
+        "eval_report": {"config": {"num_samples": 200, "batch_size": 50, "num_cards": 12, "min_accuracy": 0.3, **(report or {})}},
+    }}
+
+
+class Env:
+    def __init__(self, root: Path):
+        self.root = root
+        self.uri = f"sqlite:///{root / 'mlflow.db'}"
+        self.resources = {
+            "artifact_store": LocalArtifactStoreResource(root=str(root / "artifacts")),
+            "mlflow": MlflowTrackingResource(tracking_uri=self.uri, artifact_location=(root / "mlruns").as_uri()),
+            "launcher": LocalTorchrunLauncher(),
+        }
+
+    @property
+    def store(self):
+        return self.resources["artifact_store"].get_store()
+
+    def materialize(self, run_config, raise_on_error=True):
+        with pytest.MonkeyPatch.context() as mp, dg.instance_for_test() as instance:
+            mp.setenv("VLM_ASSETS_HOME", str(self.root / "home"))
+            return dg.materialize(GRAPH, resources=self.resources, run_config=run_config, instance=instance,
+                                  raise_on_error=raise_on_error)
+
+
+def meta(result, asset):
+    materializations = result.asset_materializations_for_node(asset)
+    return {k: getattr(v, "value", v) for k, v in materializations[0].metadata.items()} if materializations else None
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, offline_data):
+    env = Env(tmp_path_factory.mktemp("adapter"))
+    result = env.materialize(run_config(offline_data))
+    return env, result
+
+
+def test_adapter_helps_the_frozen_backbone_and_is_registered(pipeline):
+    env, result = pipeline
+    assert result.success
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks == {"adapter_weights_finite": True, "adapter_accuracy_meets_threshold": True,
+                      "adapter_gain_non_negative": True}
+    report = meta(result, "eval_report")
+    # The backbone knows the clean task; occlusion costs accuracy; the adapter wins part of it back.
+    assert report["accuracy_clean"] > report["accuracy_identity"]
+    assert report["adapter_gain"] >= 0.03, report
+    print({k: report[k] for k in ("accuracy_clean", "accuracy_identity", "accuracy_adapter", "lenient_accuracy_adapter")})
+    adapter = meta(result, "occlusion_adapter")
+    assert adapter["epochs"] == 3 and np.isfinite(adapter["gate"])
+
+
+def test_checkpoints_hold_only_the_adapter(pipeline):
+    env, result = pipeline
+    key = meta(result, "occlusion_adapter")["cache_key"]
+    checkpoints = env.store.list_complete(f"checkpoints/{key}")
+    assert checkpoints, "no recovery checkpoint was committed"
+    ckpt = torch.load(env.store.local_path(checkpoints[-1]) / "checkpoint.ckpt", weights_only=False)
+    assert sorted(ckpt["state_dict"]) == ["adapter.gate"] + sorted(
+        f"adapter.net.{i}.{p}" for i in (0, 2, 4) for p in ("bias", "weight"))
+    assert (env.store.local_path(checkpoints[-1]) / "checkpoint.ckpt").stat().st_size < 1_000_000
+    assert len(ckpt["callbacks"]["EpochHistory"]["epochs"]) == 3
+
+
+def test_html_report_shows_the_cards(pipeline):
+    env, result = pipeline
+    html = (Path(meta(result, "eval_report")["uri"]) / "report.html").read_text()
+    assert html.count("class='card'") == 12
+    assert len(re.findall(r"src='data:image/png;base64,", html)) == 36  # occluded, adapter output, clean
+    assert "Adapter gain" in html and "Per class" in html and "<h2>Training</h2>" in html
+
+
+def test_champion_loads_and_predicts(pipeline, offline_data):
+    env, result = pipeline
+    mlflow.set_tracking_uri(env.uri)
+    model = mlflow.pyfunc.load_model("models:/occlusion_adapter@champion")
+    from vlm_assets.data.image_sources import load_fashion_mnist
+    from vlm_assets.models.adapter_pyfunc import png_b64
+
+    source = load_fashion_mnist(offline_data / "fashion-mnist")
+    images = source.eval.images[-4:]  # test-set images the manifests did not use
+    frame = pd.DataFrame({"image": [png_b64(img) for img in images], "box": [[8, 8, 18, 18]] * 4})
+    predictions = model.predict(frame)
+    assert len(predictions) == 4 and all(p in source.class_names for p in predictions), predictions
+
+
+def test_rerun_is_all_cache_hits(pipeline, offline_data):
+    env, _ = pipeline
+    again = env.materialize(run_config(offline_data))
+    for asset in ("occlusion_manifests", "occlusion_adapter", "eval_report", "registered_adapter"):
+        assert meta(again, asset)["cache"] == "hit", asset
+
+
+def test_failed_accuracy_check_blocks_registration(pipeline, offline_data):
+    env, _ = pipeline
+    client = mlflow.MlflowClient(env.uri)
+    before = client.get_model_version_by_alias("occlusion_adapter", "champion").version
+    result = env.materialize(run_config(offline_data, report={"min_accuracy": 1.0}), raise_on_error=False)
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks["adapter_accuracy_meets_threshold"] is False
+    assert meta(result, "registered_adapter") is None  # never ran
+    assert client.get_model_version_by_alias("occlusion_adapter", "champion").version == before
