@@ -28,6 +28,13 @@ def profile_run_config(name: str) -> dict:
                 "micro_batch_size": 4, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "max_steps": 40,
                 "val_check_interval": 20, "val_batches": 8, "checkpoint_every": 20, "log_every": 10,
             }},
+            # A tiny Qwen2.5-VL that first learns the clean task (no hub here), then the adapter at 56 px
+            # on 2 processes.
+            "occlusion_adapter": {"config": {
+                "backbone": "tiny-clean", "clean_backbone_steps": 400, "image_size": 56, "epochs": 3, "lr": 5e-3,
+                "micro_batch_size": 8, "global_batch_size": 16, "nproc_per_node": 2, "num_train": 480,
+            }},
+            "eval_report": {"config": {"num_samples": 200, "batch_size": 50, "num_cards": 24, "min_accuracy": 0.3}},
         }
     }
 

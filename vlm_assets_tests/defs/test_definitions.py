@@ -12,8 +12,9 @@ def test_definitions_snapshot():
     definitions = defs()
     graph = definitions.resolve_asset_graph()
     assert sorted(k.to_user_string() for k in definitions.resolve_all_asset_keys()) == [
-        "gpt_checkpoint", "occlusion_manifests", "token_shards"]
+        "eval_report", "gpt_checkpoint", "occlusion_adapter", "occlusion_manifests", "registered_adapter", "token_shards"]
     assert sorted(c.name for c in graph.asset_check_keys) == [
+        "adapter_accuracy_meets_threshold", "adapter_gain_non_negative", "adapter_weights_finite",
         "boxes_within_configured_bounds", "counts_match_config", "every_class_present_and_balanced",
         "every_image_readable", "every_shard_readable", "export_reproduces_val_loss", "token_counts_match_summary",
         "token_ids_within_vocab", "val_loss_beats_uniform"]
@@ -21,6 +22,8 @@ def test_definitions_snapshot():
     job = definitions.resolve_job_def("main_job")
     assert {n.name for n in job.nodes} >= {"occlusion_manifests", "token_shards", "gpt_checkpoint"}
     assert graph.get(dg.AssetKey("gpt_checkpoint")).parent_keys == {dg.AssetKey("token_shards")}
+    assert graph.get(dg.AssetKey("registered_adapter")).parent_keys == {dg.AssetKey("eval_report"),
+                                                                      dg.AssetKey("occlusion_adapter")}
     assert definitions.resolve_schedule_def("main_schedule").cron_schedule == "0 3 * * *"
     assert set(definitions.resources) >= {"artifact_store", "mlflow", "launcher"}
 

@@ -32,12 +32,13 @@ def test_main_job_materializes_the_graph_then_hits_the_cache(tmp_path, offline_d
 
     first, _ = _execute(env)
     assert "RUN_SUCCESS" in first
-    assert len(re.findall(r"ASSET_CHECK_EVALUATION - Asset check '\w+' on '\w+' passed", first)) == 9
+    assert len(re.findall(r"ASSET_CHECK_EVALUATION - Asset check '\w+' on '\w+' passed", first)) == 12
     artifacts = sorted(p.parent.relative_to(tmp_path / "home" / "artifacts").as_posix()
                        for p in (tmp_path / "home" / "artifacts").glob("*/*/_COMPLETE.json"))
-    assert [a.split("/")[0] for a in artifacts] == ["gpt_checkpoint", "occlusion_manifests", "token_shards"]
+    assert [a.split("/")[0] for a in artifacts] == ["eval_report", "gpt_checkpoint", "occlusion_adapter",
+                                                    "occlusion_manifests", "registered_adapter", "token_shards"]
     assert "[node 1]" in first  # the GPT trained on two torchrun nodes
     assert (tmp_path / "home" / "mlflow.db").is_file()
 
     second, _ = _execute(env)
-    assert second.count("cache hit:") == 3 and "RUN_SUCCESS" in second
+    assert second.count("cache hit:") == 6 and "RUN_SUCCESS" in second
