@@ -68,9 +68,7 @@ class QwenVLBackbone(FrozenVLM):
         return packed, grid, tokens_per_image
 
     def _prefix(self, prompt: str, image_tokens: int) -> list[int]:
-        text = (f"<|im_start|>user\n<|vision_start|>{'<|image_pad|>' * image_tokens}<|vision_end|>{prompt}"
-                f"<|im_end|>\n<|im_start|>assistant\n")
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return prompt_ids(self.tokenizer, prompt, image_tokens)
 
     def _batch(self, pixels, prompts, answers=None, left_pad=False):
         if pixels.shape[0] != len(prompts) or (answers is not None and len(answers) != len(prompts)):
@@ -108,7 +106,26 @@ class QwenVLBackbone(FrozenVLM):
         return self.tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
 
 
-def image_size_ok(size: int) -> int:
-    if size % (PATCH * MERGE):
-        raise ValueError(f"image_size {size} must be a multiple of {PATCH * MERGE} (Qwen patch 14 x merge 2)")
-    return size
+def prompt_ids(tokenizer, prompt: str, image_tokens: int) -> list[int]:
+    """The user turn (image placeholders + prompt) and the assistant header, in Qwen's chat format."""
+    text = (f"<|im_start|>user\n<|vision_start|>{'<|image_pad|>' * image_tokens}<|vision_end|>{prompt}"
+            f"<|im_end|>\n<|im_start|>assistant\n")
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def check_prompt_lengths(backbone: str, rows: list[dict], image_size: int, max_length: int, where: str) -> None:
+    """Before any training: every row's prompt + answer fits ``max_length`` (tokenizer only, no weights)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(backbone)
+    image_tokens = (image_size // PATCH) ** 2 // (MERGE * MERGE)
+    first_line = {}
+    for line, row in enumerate(rows, 1):
+        first_line.setdefault((row["prompt"], row["label"]), line)
+    for (prompt, label), line in first_line.items():  # prompts repeat: tokenize each distinct pair once
+        row = {"prompt": prompt, "label": label}
+        count = len(prompt_ids(tokenizer, row["prompt"], image_tokens)) + len(
+            tokenizer(f"{row['label']}<|im_end|>", add_special_tokens=False)["input_ids"])
+        if count > max_length:
+            raise ValueError(f"{where}:{line}: prompt + answer is {count} tokens ({image_tokens} image tokens), "
+                             f"longer than max_length {max_length}")

@@ -26,6 +26,12 @@ class OcclusionSamples(Dataset):
     def __len__(self) -> int:
         return self.count
 
+    def check_images(self) -> None:
+        """Open every row's image (memory-mapped, no decoding): a missing file or an index outside its
+        pack raises here, naming the manifest line, instead of mid-epoch in a worker."""
+        for i in range(self.count):
+            self.images.images.get(self.images.rows[i], where=f"{self.images.manifest}:{i + 1}")
+
     def __getitem__(self, i: int) -> dict:
         occluded, clean, mask, label_index = self.images[i]
         row = self.images.rows[i]

@@ -40,9 +40,9 @@ class EpochHistory(L.Callback):
         self._last_step = -1
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.current_epoch:
-            self.resumed_from_epoch = trainer.current_epoch
-            self.reporter.log(f"resumed at epoch {trainer.current_epoch} (step {trainer.global_step})")
+        if trainer.global_step:  # restored: the history came back with the checkpoint
+            self.resumed_from_epoch = len(self.epochs)
+            self.reporter.log(f"resumed after {len(self.epochs)} epoch(s) (step {trainer.global_step})")
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._sums, self._count = {}, 0

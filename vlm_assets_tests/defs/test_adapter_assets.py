@@ -140,3 +140,101 @@ def test_failed_accuracy_check_blocks_registration(pipeline, offline_data):
     assert checks["adapter_accuracy_meets_threshold"] is False
     assert meta(result, "registered_adapter") is None  # never ran
     assert client.get_model_version_by_alias("occlusion_adapter", "champion").version == before
+
+
+def _workers(marker: str) -> list[int]:
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = b" ".join(cmdline.read_bytes().split(b"\0")).decode(errors="replace")
+        except OSError:
+            continue
+        if "vlm_assets.train.adapter_train" in text and "torch.distributed.run" not in text and marker in text:
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+def _backbone_dir(env) -> str:
+    (key,) = env.store.list_complete("backbones/tiny-clean")
+    return str(env.store.local_path(key) / "model")
+
+
+def test_killed_worker_resumes_from_the_last_recovery_checkpoint(pipeline, offline_data):
+    import os
+    import signal
+    import threading
+    import time
+
+    env, first = pipeline
+    backbone = _backbone_dir(env)  # the same frozen weights by path: a new cache key, the same training
+    killed = {}
+
+    def kill_after_first_epoch():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            committed = [p for p in env.root.glob("artifacts/checkpoints/occlusion_adapter/*/step-*/_COMPLETE.json")
+                         if str(p).split("occlusion_adapter/")[1].split("/")[0] not in killed.get("skip", ())]
+            fresh = [p for p in committed if p.stat().st_mtime > started]
+            if fresh and (pids := _workers(str(env.root))):
+                killed["pid"] = max(pids)
+                os.kill(killed["pid"], signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    started = time.time()
+    killer = threading.Thread(target=kill_after_first_epoch)
+    killer.start()
+    result = env.materialize(run_config(offline_data, adapter={"backbone": backbone}))
+    killer.join()
+    assert killed, "the worker was never killed"
+    assert len([e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]) == 1
+    assert not _workers(str(env.root))
+    adapter = meta(result, "occlusion_adapter")
+    assert adapter["resumed_from_epoch"] == 1 and adapter["epochs"] == 3
+    resumed = json.loads((Path(adapter["uri"]) / "history.json").read_text())["epochs"]
+    uninterrupted = json.loads((Path(meta(first, "occlusion_adapter")["uri"]) / "history.json").read_text())["epochs"]
+    assert [e["epoch"] for e in resumed] == [0, 1, 2]  # the pre-kill epoch survived in the checkpoint
+    for a, b in zip(resumed, uninterrupted, strict=True):
+        assert a["val/loss"] == pytest.approx(b["val/loss"], abs=1e-4)
+
+
+def test_bad_input_fails_at_once_naming_the_row_or_field(pipeline, offline_data, tmp_path):
+    env, first = pipeline
+    missing = tmp_path / "nope"
+    result = env.materialize(run_config(offline_data, adapter={"backbone": str(missing)}), raise_on_error=False)
+    assert f"config field backbone: directory {missing} does not exist" in _failure(result)
+
+    result = env.materialize(run_config(offline_data, adapter={"backbone": _backbone_dir(env), "max_length": 20}),
+                             raise_on_error=False)
+    assert re.search(r"train\.jsonl:1: prompt \+ answer is \d+ tokens .* longer than max_length 20", _failure(result))
+
+
+def _failure(result) -> str:
+    failures = result.get_step_failure_events()
+    assert len(failures) == 1 and not [e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+    return failures[0].step_failure_data.user_failure_data.description
+
+
+def test_bad_manifest_rows_are_named(pipeline, tmp_path):
+    import shutil
+
+    from vlm_assets.train.adapter_module import OcclusionSamples
+
+    env, first = pipeline
+    root = tmp_path / "m"
+    shutil.copytree(env.store.local_path(meta(first, "occlusion_manifests")["cache_key"]), root)
+    lines = (root / "train.jsonl").read_text().splitlines()
+    row = json.loads(lines[2])
+    row["index"] = 10**6  # an image that is not there
+    (root / "train.jsonl").write_text("\n".join(lines[:2] + [json.dumps(row)] + lines[3:]) + "\n")
+    with pytest.raises(ValueError, match=r"train\.jsonl:3: field 'index' 1000000 is outside"):
+        OcclusionSamples(root, "train", 56, None).check_images()
+    row = json.loads(lines[4])
+    row["box"] = [0, 0, 40, 10]  # wider than the 28 px image
+    (root / "validation.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"validation\.jsonl:1: field 'box' \[0, 0, 40, 10\] lies outside"):
+        OcclusionSamples(root, "validation", 56, None)
+    (root / "images" / "train.npy").unlink()
+    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(FileNotFoundError, match=r"train\.jsonl:1: image file .*train\.npy does not exist"):
+        OcclusionSamples(root, "train", 56, None).check_images()

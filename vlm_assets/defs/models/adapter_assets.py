@@ -20,7 +20,9 @@ from vlm_assets.launch import LaunchSpec
 from vlm_assets.memo import cache_key
 from vlm_assets.paths import home_dir
 from vlm_assets.storage import ArtifactRef, ArtifactStore
+from vlm_assets.models.frozen_vlm import check_prompt_lengths
 from vlm_assets.train.adapter_config import AdapterTrainConfig
+from vlm_assets.train.adapter_module import OcclusionSamples
 
 TINY_CLEAN = "tiny-clean"
 
@@ -72,6 +74,12 @@ def _runs_dir() -> Path:
     return path
 
 
+def preflight(config: OcclusionAdapterConfig, manifests: Path) -> None:
+    """Bad rows fail the step at once (no retries), naming the manifest line."""
+    for split, limit in (("train", config.num_train), ("validation", config.num_validation)):
+        OcclusionSamples(manifests, split, config.image_size, limit).check_images()
+
+
 def resolve_backbone(config: OcclusionAdapterConfig, store: ArtifactStore, manifests: ArtifactRef, log) -> str:
     """The backbone to load: the configured hub id / directory, or the memoized tiny clean-task backbone."""
     if config.backbone != TINY_CLEAN:
@@ -109,7 +117,11 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
     store = artifact_store.get_store()
 
     def build(staging: Path, run: TrackedRun) -> Built:
+        preflight(config, store.local_path(occlusion_manifests.key))
         backbone = resolve_backbone(config, store, occlusion_manifests, context.log.info)
+        manifests = store.local_path(occlusion_manifests.key)
+        check_prompt_lengths(backbone, OcclusionSamples(manifests, "train", config.image_size, None).images.rows,
+                             config.image_size, config.max_length, str(manifests / "train.jsonl"))
         work = Path(tempfile.mkdtemp(prefix="adapter-", dir=_runs_dir()))
         try:
             train = config.train_config(str(store.local_path(occlusion_manifests.key)), backbone, str(staging),
