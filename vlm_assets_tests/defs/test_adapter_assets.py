@@ -238,3 +238,27 @@ def test_bad_manifest_rows_are_named(pipeline, tmp_path):
     (root / "train.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(FileNotFoundError, match=r"train\.jsonl:1: image file .*train\.npy does not exist"):
         OcclusionSamples(root, "train", 56, None).check_images()
+
+
+def test_training_changes_only_the_adapter(pipeline, tmp_path):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from vlm_assets.train.adapter_config import AdapterTrainConfig
+    from vlm_assets.train.adapter_module import AdapterModule, OcclusionSamples, collate
+
+    env, first = pipeline
+    manifests = env.store.local_path(meta(first, "occlusion_manifests")["cache_key"])
+    config = AdapterTrainConfig(manifests_dir=str(manifests), backbone=_backbone_dir(env), out_dir="", cache_dir="",
+                                checkpoint_store={}, checkpoint_prefix="", image_size=56, lr=5e-3)
+    module = AdapterModule(config)
+    module.configure_model()
+    backbone_before = {k: v.clone() for k, v in module.backbone.state_dict().items()}
+    adapter_before = {k: v.clone() for k, v in module.adapter.state_dict().items()}
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(OcclusionSamples(manifests, "train", 56, 24), batch_size=8, collate_fn=collate))
+    assert all(torch.equal(v, backbone_before[k]) for k, v in module.backbone.state_dict().items())
+    assert not module.backbone.model.training  # kept in eval mode while the adapter trained
+    assert all(not p.requires_grad for p in module.backbone.parameters())
+    assert any(not torch.equal(v, adapter_before[k]) for k, v in module.adapter.state_dict().items())
