@@ -25,7 +25,7 @@ class OcclusionAdapterPredictor(mlflow.pyfunc.PythonModel):
 
         info = json.loads(open(context.artifacts["backbone"]).read())
         self.prompt, self.image_size = info["prompt"], info["image_size"]
-        self.backbone = QwenVLBackbone(info["backbone"], max_length=info["max_length"], gradient_checkpointing=False)
+        self.backbone = QwenVLBackbone(info["backbone"], max_length=info["max_length"])
         self.adapter = OcclusionAdapter()
         self.adapter.load_state_dict(load_file(context.artifacts["adapter"]))
         self.adapter.eval()

@@ -35,7 +35,7 @@ class FrozenVLM(nn.Module, ABC):
 
 class QwenVLBackbone(FrozenVLM):
     def __init__(self, name_or_path: str, *, max_length: int = 512, dtype: torch.dtype = torch.float32,
-                 gradient_checkpointing: bool = True):
+                 gradient_checkpointing: bool = False):
         super().__init__()
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
 
@@ -48,17 +48,23 @@ class QwenVLBackbone(FrozenVLM):
         self.register_buffer("mean", torch.tensor(processor.image_mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(processor.image_std).view(1, 3, 1, 1), persistent=False)
         self.max_length = max_length
+        self.gradient_checkpointing = gradient_checkpointing
         self.model.requires_grad_(False)
-        self.model.eval()
         if gradient_checkpointing:
-            # Recomputes the frozen layers in backward: activations are what the adapter's gradient
-            # has to flow through, and they dominate memory.
+            # transformers recomputes activations only in train mode; the frozen backbone may run in it
+            # only if that changes nothing numerically, i.e. it has no dropout.
+            dropouts = {k: v for k, v in self.model.config.text_config.to_dict().items() if "dropout" in k and v}
+            if dropouts:
+                raise ValueError(f"gradient_checkpointing needs a backbone without dropout, this one has {dropouts}")
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.train(gradient_checkpointing)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
     def train(self, mode: bool = True):
         super().train(mode)
-        self.model.eval()  # frozen: dropout and the like stay off even while the adapter trains
+        # Frozen: eval mode even while the adapter trains (train mode only to let transformers
+        # recompute activations, allowed above only for a backbone without dropout).
+        self.model.train(self.gradient_checkpointing)
         return self
 
     def _pixels(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

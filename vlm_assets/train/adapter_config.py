@@ -24,6 +24,7 @@ class AdapterTrainConfig:
     grad_clip: float = 1.0
     image_size: int = 224
     max_length: int = 512
+    gradient_checkpointing: bool = False  # recompute backbone activations in backward (memory for time)
     reconstruction_loss_weight: float = 0.35  # x mean |adapter(x) - clean| inside the occluded box
     seed: int = 7
     strategy: str = "auto"  # auto = deepspeed (ZeRO-2) on GPUs, ddp on CPU

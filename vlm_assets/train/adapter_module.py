@@ -55,7 +55,8 @@ class AdapterModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.backbone is None:
             dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-            self.backbone = QwenVLBackbone(self.config.backbone, max_length=self.config.max_length, dtype=dtype)
+            self.backbone = QwenVLBackbone(self.config.backbone, max_length=self.config.max_length, dtype=dtype,
+                                           gradient_checkpointing=self.config.gradient_checkpointing)
 
     def losses(self, batch: dict) -> dict[str, torch.Tensor]:
         restored = self.adapter(batch["occluded"], batch["mask"])

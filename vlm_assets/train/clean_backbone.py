@@ -17,7 +17,7 @@ from vlm_assets.models.frozen_vlm import QwenVLBackbone
 def train_clean_backbone(backbone_dir: Path, manifests: Path, out_dir: Path, *, image_size: int = 56,
                          steps: int = 300, batch_size: int = 16, lr: float = 2e-3, seed: int = 0) -> Path:
     torch.manual_seed(seed)
-    backbone = QwenVLBackbone(str(backbone_dir), gradient_checkpointing=False)
+    backbone = QwenVLBackbone(str(backbone_dir))
     backbone.model.requires_grad_(True)
     backbone.model.train()
     data = OcclusionDataset(manifests, "train", image_size)

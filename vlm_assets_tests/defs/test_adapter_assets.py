@@ -260,5 +260,6 @@ def test_training_changes_only_the_adapter(pipeline, tmp_path):
     trainer.fit(module, DataLoader(OcclusionSamples(manifests, "train", 56, 24), batch_size=8, collate_fn=collate))
     assert all(torch.equal(v, backbone_before[k]) for k, v in module.backbone.state_dict().items())
     assert not module.backbone.model.training  # kept in eval mode while the adapter trained
+    assert not module.backbone.model.model.language_model.layers[0].training
     assert all(not p.requires_grad for p in module.backbone.parameters())
     assert any(not torch.equal(v, adapter_before[k]) for k, v in module.adapter.state_dict().items())

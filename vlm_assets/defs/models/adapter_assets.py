@@ -39,6 +39,7 @@ class OcclusionAdapterConfig(ValidatedConfig):
     grad_clip: float = Field(default=1.0, description="Gradient norm clip (0 disables).")
     image_size: int = Field(default=224, description="Square input size (multiple of 28).")
     max_length: int = Field(default=512, description="Longest prompt + answer in tokens.")
+    gradient_checkpointing: bool = Field(default=False, description="Recompute backbone activations in backward.")
     reconstruction_loss_weight: float = Field(default=0.35, description="Weight of the masked L1 reconstruction loss.")
     seed: int = Field(default=7, description="Seeds init and data order.")
     strategy: str = Field(default="auto", description="auto (DeepSpeed ZeRO-2 on GPUs, DDP on CPU), ddp, deepspeed.")

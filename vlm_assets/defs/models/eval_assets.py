@@ -35,7 +35,7 @@ def load_trained(store, adapter_ref: ArtifactRef):
 
     root = store.local_path(adapter_ref.key)
     info = json.loads((root / "backbone.json").read_text())
-    backbone = QwenVLBackbone(info["backbone"], max_length=info["max_length"], gradient_checkpointing=False)
+    backbone = QwenVLBackbone(info["backbone"], max_length=info["max_length"])
     adapter = OcclusionAdapter()
     adapter.load_state_dict(load_file(str(root / "adapter.safetensors")))
     return backbone, adapter, info, root
