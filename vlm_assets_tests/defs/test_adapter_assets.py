@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vlm_assets.defs.data.occlusion_assets import occlusion_manifests
-from vlm_assets.defs.models.adapter_assets import adapter_weights_finite, occlusion_adapter
+from vlm_assets.defs.models.adapter_assets import adapter_training_complete, adapter_weights_finite, occlusion_adapter
 from vlm_assets.defs.models.eval_assets import (
     adapter_accuracy_meets_threshold,
     adapter_gain_non_negative,
@@ -27,7 +27,7 @@ from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 
 pytestmark = pytest.mark.slow
 
-GRAPH = [occlusion_manifests, occlusion_adapter, adapter_weights_finite, eval_report, adapter_accuracy_meets_threshold,
+GRAPH = [occlusion_manifests, occlusion_adapter, adapter_training_complete, adapter_weights_finite, eval_report, adapter_accuracy_meets_threshold,
          adapter_gain_non_negative, registered_adapter]
 ADAPTER = {"backbone": "tiny-clean", "clean_backbone_steps": 400, "image_size": 56, "epochs": 3, "lr": 5e-3,
            "micro_batch_size": 8, "global_batch_size": 16, "nproc_per_node": 2, "num_train": 480, "log_every": 10}
@@ -79,7 +79,7 @@ def test_adapter_helps_the_frozen_backbone_and_is_registered(pipeline):
     env, result = pipeline
     assert result.success
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
-    assert checks == {"adapter_weights_finite": True, "adapter_accuracy_meets_threshold": True,
+    assert checks == {"adapter_training_complete": True, "adapter_weights_finite": True, "adapter_accuracy_meets_threshold": True,
                       "adapter_gain_non_negative": True}
     report = meta(result, "eval_report")
     # The backbone knows the clean task; occlusion costs accuracy; the adapter wins part of it back.
@@ -263,3 +263,42 @@ def test_training_changes_only_the_adapter(pipeline, tmp_path):
     assert not module.backbone.model.model.language_model.layers[0].training
     assert all(not p.requires_grad for p in module.backbone.parameters())
     assert any(not torch.equal(v, adapter_before[k]) for k, v in module.adapter.state_dict().items())
+
+
+def test_training_that_fails_for_good_materializes_a_partial_that_blocks(pipeline, offline_data):
+    import os
+    import signal
+    import threading
+
+    env, _ = pipeline
+    done = threading.Event()
+    kills = []
+
+    def kill_every_attempt_after_a_checkpoint():
+        while not done.is_set():
+            new = set(env.root.glob("artifacts/checkpoints/occlusion_adapter/*")) - before
+            if any(d.glob("step-*/_COMPLETE.json") for d in new):
+                for pid in _workers(str(env.root)):
+                    if pid not in kills:
+                        kills.append(pid)
+                        os.kill(pid, signal.SIGKILL)
+            done.wait(0.05)
+
+    # A new cache key (epochs=4) whose checkpoints do not exist yet: every attempt dies after one epoch.
+    before = set(env.root.glob("artifacts/checkpoints/occlusion_adapter/*"))
+    killer = threading.Thread(target=kill_every_attempt_after_a_checkpoint)
+    killer.start()
+    try:
+        result = env.materialize(run_config(offline_data, adapter={"backbone": _backbone_dir(env), "epochs": 4,
+                                                                   "materialize_partial_on_failure": True}),
+                                 raise_on_error=False)
+    finally:
+        done.set()
+        killer.join()
+    assert len([e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]) == 2
+    adapter = meta(result, "occlusion_adapter")
+    assert adapter["partial"] is True and adapter["epochs"] < 4
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks["adapter_training_complete"] is False
+    assert meta(result, "eval_report") is None and meta(result, "registered_adapter") is None
+    assert set(env.root.glob("artifacts/checkpoints/occlusion_adapter/*")) - before

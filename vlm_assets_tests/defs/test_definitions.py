@@ -14,7 +14,8 @@ def test_definitions_snapshot():
     assert sorted(k.to_user_string() for k in definitions.resolve_all_asset_keys()) == [
         "eval_report", "gpt_checkpoint", "occlusion_adapter", "occlusion_manifests", "registered_adapter", "token_shards"]
     assert sorted(c.name for c in graph.asset_check_keys) == [
-        "adapter_accuracy_meets_threshold", "adapter_gain_non_negative", "adapter_weights_finite",
+        "adapter_accuracy_meets_threshold", "adapter_gain_non_negative", "adapter_training_complete",
+        "adapter_weights_finite",
         "boxes_within_configured_bounds", "counts_match_config", "every_class_present_and_balanced",
         "every_image_readable", "every_shard_readable", "export_reproduces_val_loss", "token_counts_match_summary",
         "token_ids_within_vocab", "val_loss_beats_uniform"]

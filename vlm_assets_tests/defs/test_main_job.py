@@ -32,7 +32,7 @@ def test_main_job_materializes_the_graph_then_hits_the_cache(tmp_path, offline_d
 
     first, _ = _execute(env)
     assert "RUN_SUCCESS" in first
-    assert len(re.findall(r"ASSET_CHECK_EVALUATION - Asset check '\w+' on '\w+' passed", first)) == 12
+    assert len(re.findall(r"ASSET_CHECK_EVALUATION - Asset check '\w+' on '\w+' passed", first)) == 13
     artifacts = sorted(p.parent.relative_to(tmp_path / "home" / "artifacts").as_posix()
                        for p in (tmp_path / "home" / "artifacts").glob("*/*/_COMPLETE.json"))
     assert [a.split("/")[0] for a in artifacts] == ["eval_report", "gpt_checkpoint", "occlusion_adapter",

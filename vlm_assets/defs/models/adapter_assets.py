@@ -50,6 +50,9 @@ class OcclusionAdapterConfig(ValidatedConfig):
     log_every: int = Field(default=10, description="Report train metrics every this many steps.")
     timeout_s: int = Field(default=24 * 3600, description="The training job's time limit.")
     clean_backbone_steps: int = Field(default=600, description="tiny-clean only: clean-task training steps.")
+    materialize_partial_on_failure: bool = Field(default=False, description=(
+        "If training fails on the last retry, materialize the last recovery checkpoint flagged partial "
+        "(its blocking check fails, so nothing downstream uses it) instead of failing the step."))
 
     def check_values(self) -> None:
         if self.num_nodes < 1 or self.nproc_per_node < 1:
@@ -60,7 +63,8 @@ class OcclusionAdapterConfig(ValidatedConfig):
 
     def train_config(self, manifests: str, backbone: str, out_dir: str, cache: str, store: dict, prefix: str,
                      tracking_uri: str | None = None, run_id: str | None = None) -> AdapterTrainConfig:
-        fields = self.model_dump(exclude={"backbone", "num_nodes", "nproc_per_node", "timeout_s", "clean_backbone_steps"})
+        fields = self.model_dump(exclude={"backbone", "num_nodes", "nproc_per_node", "timeout_s", "clean_backbone_steps",
+                                          "materialize_partial_on_failure"})
         try:
             return AdapterTrainConfig(manifests_dir=manifests, backbone=backbone, out_dir=out_dir, cache_dir=cache,
                                       checkpoint_store=store, checkpoint_prefix=prefix, mlflow_tracking_uri=tracking_uri,
@@ -129,19 +133,57 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
                                         str(work), artifact_store.spec(), f"checkpoints/{key}",
                                         mlflow.tracking_uri, run.run_id)
             train.save(work / "run.json")
-            reports = launcher.launch(context, LaunchSpec(
-                "vlm_assets.train.adapter_train", ("--config", str(work / "run.json")), num_nodes=config.num_nodes,
-                nproc_per_node=config.nproc_per_node, timeout_s=config.timeout_s, name="occlusion_adapter"))
+            spec = LaunchSpec("vlm_assets.train.adapter_train", ("--config", str(work / "run.json")),
+                              num_nodes=config.num_nodes, nproc_per_node=config.nproc_per_node,
+                              timeout_s=config.timeout_s, name="occlusion_adapter")
+            try:
+                reports = launcher.launch(context, spec)
+                values = {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}
+                partial = False
+            except dg.Failure as failure:
+                last_try = context.retry_number >= occlusion_adapter.op.retry_policy.max_retries
+                if not (config.materialize_partial_on_failure and last_try):
+                    raise
+                context.log.warning(f"training failed for good; materializing the last checkpoint as partial: {failure.description}")
+                values = partial_from_checkpoint(store, f"checkpoints/{key}", staging)
+                partial = True
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        values = {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}
-        rows = [json.loads(line) for line in (store.local_path(occlusion_manifests.key) / "train.jsonl").read_text().splitlines()[:1]]
+        rows = [json.loads(line) for line in (manifests / "train.jsonl").read_text().splitlines()[:1]]
         (staging / "backbone.json").write_text(json.dumps({
             "backbone": backbone, "image_size": config.image_size, "max_length": config.max_length, "prompt": rows[0]["prompt"]}))
         return Built(metrics={k: float(v) for k, v in values.items() if isinstance(v, (int, float))},
-                     metadata={"backbone": backbone})
+                     metadata={"backbone": backbone, "partial": partial})
 
     return materialize_memoized(context, store=store, mlflow=mlflow, config=config, build=build, upstream=upstream)
+
+
+def partial_from_checkpoint(store: ArtifactStore, prefix: str, staging: Path) -> dict:
+    """The adapter weights and history of the newest intact recovery checkpoint, written like a result."""
+    from safetensors.torch import save_file
+
+    from vlm_assets.train.checkpoints import latest_checkpoint
+
+    found = latest_checkpoint(store, prefix, lambda message: None)
+    if found is None:
+        raise RuntimeError(f"training failed before its first recovery checkpoint under {prefix}")
+    checkpoint = torch.load(found[1], map_location="cpu", weights_only=False)
+    weights = {k.removeprefix("adapter."): v.contiguous() for k, v in checkpoint["state_dict"].items()}
+    save_file(weights, str(staging / "adapter.safetensors"))
+    epochs = checkpoint["callbacks"]["EpochHistory"]["epochs"]
+    (staging / "history.json").write_text(json.dumps({"epochs": epochs, "resumed_from_epoch": None, "partial": True}))
+    return {"epochs": len(epochs), "gate": float(weights["gate"]), "resumed_from_epoch": -1,
+            **{k.replace("/", "_"): v for k, v in epochs[-1].items() if isinstance(v, float)}}
+
+
+@dg.asset_check(asset=occlusion_adapter, blocking=True)
+def adapter_training_complete(occlusion_adapter: ArtifactRef) -> dg.AssetCheckResult:
+    """Training finished every epoch: a partial adapter (materialized from the last recovery checkpoint
+    after training failed for good) fails here, so eval and registration never use it."""
+    partial = bool(occlusion_adapter.metadata["metadata"].get("partial"))
+    epochs = occlusion_adapter.metadata["metrics"].get("epochs")
+    return dg.AssetCheckResult(passed=not partial, metadata={"partial": partial, "epochs": epochs},
+                               description="partial: training failed for good" if partial else "complete")
 
 
 @dg.asset_check(asset=occlusion_adapter, blocking=True)
