@@ -1,6 +1,5 @@
 """The local torchrun backend with real processes: rendezvous, log streaming, failure, no orphans."""
 
-import os
 from pathlib import Path
 
 import pytest

@@ -2,7 +2,6 @@
 frozen VLM, prove it helps, and register it in the MLflow Model Registry only when the checks pass."""
 
 import json
-import math
 import shutil
 import tempfile
 from pathlib import Path

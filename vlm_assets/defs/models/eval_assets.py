@@ -9,7 +9,6 @@ import torch
 from pydantic import Field
 from safetensors.torch import load_file
 
-from vlm_assets.defs.models.adapter_assets import occlusion_adapter
 from vlm_assets.defs.platform.memo import Built, ValidatedConfig, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
