@@ -19,3 +19,10 @@ def cache_dir() -> Path:
 def offline_data_dir() -> Path:
     """Filled by ``scripts/fetch-offline-data.sh``."""
     return cache_dir() / "offline-data"
+
+
+def runs_dir() -> Path:
+    """Per-run training scratch (configs, streaming caches): ``$VLM_ASSETS_HOME/runs``."""
+    path = home_dir() / "runs"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

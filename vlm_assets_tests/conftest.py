@@ -165,3 +165,49 @@ def write_cifar_tarball(path: Path, images: np.ndarray, labels: np.ndarray) -> P
             info.size = len(blob)
             tar.addfile(info, io.BytesIO(blob))
     return path
+
+
+class IsolatedEnv:
+    """An embedded default of its own (store, VLM_ASSETS_HOME, MLflow, a fresh Dagster instance per
+    run) for module-scoped fixtures that train once and are read by several tests."""
+
+    def __init__(self, root: Path, graph: list, mlflow_uri: str | None = None):
+        from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
+        from vlm_assets.defs.platform.storage import LocalArtifactStoreResource
+        from vlm_assets.defs.platform.tracking import MlflowTrackingResource
+
+        self.root, self.graph = root, graph
+        self.uri = mlflow_uri or f"sqlite:///{root / 'mlflow.db'}"
+        self.resources = {
+            "artifact_store": LocalArtifactStoreResource(root=str(root / "artifacts")),
+            "mlflow": MlflowTrackingResource(tracking_uri=self.uri, artifact_location=(root / "mlruns").as_uri()),
+            "launcher": LocalTorchrunLauncher(),
+        }
+        self.log_messages: list[str] = []
+
+    @property
+    def store(self):
+        return self.resources["artifact_store"].get_store()
+
+    def materialize(self, run_config, raise_on_error=True):
+        import dagster as dg
+
+        with pytest.MonkeyPatch.context() as mp, dg.instance_for_test() as instance:
+            mp.setenv("VLM_ASSETS_HOME", str(self.root / "home"))
+            result = dg.materialize(self.graph, resources=self.resources, run_config=run_config, instance=instance,
+                                    raise_on_error=raise_on_error)
+            self.log_messages = [entry.user_message for entry in instance.all_logs(result.run_id)]
+            return result
+
+
+def training_workers(module: str, marker: str) -> list[int]:
+    """PIDs of live training workers of ``module`` (not torchrun agents) whose command line has ``marker``."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = b" ".join(cmdline.read_bytes().split(b"\0")).decode(errors="replace")
+        except OSError:
+            continue
+        if module in text and "torch.distributed.run" not in text and marker in text:
+            pids.append(int(cmdline.parent.name))
+    return pids

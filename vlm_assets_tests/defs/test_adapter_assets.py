@@ -6,7 +6,6 @@ import json
 import re
 from pathlib import Path
 
-import dagster as dg
 import mlflow
 import numpy as np
 import pandas as pd
@@ -21,9 +20,7 @@ from vlm_assets.defs.models.eval_assets import (
     eval_report,
     registered_adapter,
 )
-from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
-from vlm_assets.defs.platform.storage import LocalArtifactStoreResource
-from vlm_assets.defs.platform.tracking import MlflowTrackingResource
+from vlm_assets_tests.conftest import IsolatedEnv, training_workers
 
 pytestmark = pytest.mark.slow
 
@@ -42,25 +39,8 @@ def run_config(offline_data, adapter=None, report=None):
     }}
 
 
-class Env:
-    def __init__(self, root: Path):
-        self.root = root
-        self.uri = f"sqlite:///{root / 'mlflow.db'}"
-        self.resources = {
-            "artifact_store": LocalArtifactStoreResource(root=str(root / "artifacts")),
-            "mlflow": MlflowTrackingResource(tracking_uri=self.uri, artifact_location=(root / "mlruns").as_uri()),
-            "launcher": LocalTorchrunLauncher(),
-        }
-
-    @property
-    def store(self):
-        return self.resources["artifact_store"].get_store()
-
-    def materialize(self, run_config, raise_on_error=True):
-        with pytest.MonkeyPatch.context() as mp, dg.instance_for_test() as instance:
-            mp.setenv("VLM_ASSETS_HOME", str(self.root / "home"))
-            return dg.materialize(GRAPH, resources=self.resources, run_config=run_config, instance=instance,
-                                  raise_on_error=raise_on_error)
+def Env(root: Path) -> IsolatedEnv:
+    return IsolatedEnv(root, GRAPH)
 
 
 def meta(result, asset):
@@ -143,15 +123,7 @@ def test_failed_accuracy_check_blocks_registration(pipeline, offline_data):
 
 
 def _workers(marker: str) -> list[int]:
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = b" ".join(cmdline.read_bytes().split(b"\0")).decode(errors="replace")
-        except OSError:
-            continue
-        if "vlm_assets.train.adapter_train" in text and "torch.distributed.run" not in text and marker in text:
-            pids.append(int(cmdline.parent.name))
-    return pids
+    return training_workers("vlm_assets.train.adapter_train", marker)
 
 
 def _backbone_dir(env) -> str:

@@ -10,18 +10,15 @@ import threading
 import time
 from pathlib import Path
 
-import dagster as dg
 import pytest
 from mlflow.tracking import MlflowClient
 
 from vlm_assets.defs.data.token_assets import token_shards
 from vlm_assets.defs.models.gpt_assets import export_reproduces_val_loss, gpt_checkpoint, val_loss_beats_uniform
-from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
-from vlm_assets.defs.platform.storage import LocalArtifactStoreResource
-from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 from vlm_assets.launch import LaunchSpec, run_local
 from vlm_assets.train.checkpoints import CHECKPOINT_FILE, latest_checkpoint
 from vlm_assets.train.gpt_config import PretrainConfig
+from vlm_assets_tests.conftest import IsolatedEnv, training_workers
 
 pytestmark = pytest.mark.slow
 
@@ -40,28 +37,8 @@ def run_config(offline_data, **gpt):
     return {"ops": {"token_shards": {"config": tokens}, "gpt_checkpoint": {"config": {**GPT, **gpt}}}}
 
 
-class Env:
-    """An isolated embedded default (own store, VLM_ASSETS_HOME, Dagster instance), one per store."""
-
-    def __init__(self, root: Path, mlflow_uri: str):
-        self.root = root
-        self.resources = {
-            "artifact_store": LocalArtifactStoreResource(root=str(root / "artifacts")),
-            "mlflow": MlflowTrackingResource(tracking_uri=mlflow_uri, artifact_location=(root / "mlruns").as_uri()),
-            "launcher": LocalTorchrunLauncher(),
-        }
-
-    @property
-    def store(self):
-        return self.resources["artifact_store"].get_store()
-
-    def materialize(self, run_config, raise_on_error=True):
-        with pytest.MonkeyPatch.context() as mp, dg.instance_for_test() as instance:
-            mp.setenv("VLM_ASSETS_HOME", str(self.root / "home"))
-            result = dg.materialize(GRAPH, resources=self.resources, run_config=run_config, instance=instance,
-                                    raise_on_error=raise_on_error)
-            self.log_messages = [entry.user_message for entry in instance.all_logs(result.run_id)]
-            return result
+def Env(root: Path, mlflow_uri: str) -> IsolatedEnv:
+    return IsolatedEnv(root, GRAPH, mlflow_uri)
 
 
 def outcome(result):
@@ -119,17 +96,7 @@ def test_one_node_two_processes_fsdp2(tmp_path, offline_data, mlflow_uri):
 
 
 def _workers(marker: str) -> list[int]:
-    """PIDs of the training workers (not the torchrun agents) whose command line mentions ``marker``."""
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        text = b" ".join(args).decode(errors="replace")
-        if "vlm_assets.train.gpt_pretrain" in text and "torch.distributed.run" not in text and marker in text:
-            pids.append(int(cmdline.parent.name))
-    return pids
+    return training_workers("vlm_assets.train.gpt_pretrain", marker)
 
 
 def test_killed_worker_fails_cleanly_and_the_retry_resumes_the_same_curve(ddp_run, tmp_path, offline_data, mlflow_uri):
@@ -184,7 +151,8 @@ def test_damaged_checkpoint_is_skipped_for_the_previous_one_by_plain_torchrun(dd
     assert key.endswith("step-00000024") and path.is_file() and "step-00000030" in skipped[0]
 
     # The trainer itself, without Dagster: resumes from step 24 and ends at the same loss.
-    shards = env.store.local_path(next(k for k in _keys(env.store, "token_shards")))
+    (shards_key,) = env.store.list_complete("token_shards")
+    shards = env.store.local_path(shards_key)
     config = PretrainConfig(shards_uri=str(shards), out_dir=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"),
                             checkpoint_store=env.resources["artifact_store"].spec(), checkpoint_prefix=prefix,
                             **{k: v for k, v in GPT.items() if k not in ("num_nodes", "nproc_per_node")})
@@ -196,10 +164,6 @@ def test_damaged_checkpoint_is_skipped_for_the_previous_one_by_plain_torchrun(dd
     resumed = json.loads((tmp_path / "out" / "history.json").read_text())
     assert resumed["resumed_from_step"] == 24
     assert resumed["train"][-1]["loss"] == pytest.approx(history["train"][-1]["loss"], abs=1e-5)
-
-
-def _keys(store, asset):
-    return [k for k in store.list_complete(asset)]
 
 
 def test_bad_config_fails_at_once_naming_the_field(tmp_path, offline_data, mlflow_uri):

@@ -17,7 +17,7 @@ from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.launch import LaunchSpec
 from vlm_assets.memo import cache_key
-from vlm_assets.paths import home_dir
+from vlm_assets.paths import runs_dir
 from vlm_assets.storage import ArtifactRef, ArtifactStore
 from vlm_assets.models.frozen_vlm import check_prompt_lengths
 from vlm_assets.train.adapter_config import AdapterTrainConfig
@@ -72,11 +72,6 @@ class OcclusionAdapterConfig(ValidatedConfig):
             raise ValueError(f"config field {err}") from err
 
 
-def _runs_dir() -> Path:
-    path = home_dir() / "runs"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
 
 def preflight(config: OcclusionAdapterConfig, manifests: Path) -> None:
     """Bad rows fail the step at once (no retries), naming the manifest line."""
@@ -126,7 +121,7 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
         manifests = store.local_path(occlusion_manifests.key)
         check_prompt_lengths(backbone, OcclusionSamples(manifests, "train", config.image_size, None).images.rows,
                              config.image_size, config.max_length, str(manifests / "train.jsonl"))
-        work = Path(tempfile.mkdtemp(prefix="adapter-", dir=_runs_dir()))
+        work = Path(tempfile.mkdtemp(prefix="adapter-", dir=runs_dir()))
         try:
             train = config.train_config(str(store.local_path(occlusion_manifests.key)), backbone, str(staging),
                                         str(work), artifact_store.spec(), f"checkpoints/{key}",

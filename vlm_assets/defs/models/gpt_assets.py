@@ -25,7 +25,7 @@ from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.launch import LaunchSpec
 from vlm_assets.models.gpt import PRESETS
 from vlm_assets.models.gpt_export import hf_loss
-from vlm_assets.paths import home_dir
+from vlm_assets.paths import runs_dir
 from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.plots import loss_curve_png
@@ -106,7 +106,7 @@ def gpt_checkpoint(
     store = artifact_store.get_store()
 
     def build(staging: Path, run: TrackedRun) -> Built:
-        work = Path(tempfile.mkdtemp(prefix="gpt-", dir=_runs_dir()))
+        work = Path(tempfile.mkdtemp(prefix="gpt-", dir=runs_dir()))
         try:
             return _train(work, staging, run)
         finally:
@@ -139,11 +139,6 @@ def gpt_checkpoint(
     return materialize_memoized(context, store=store, mlflow=mlflow, config=config, build=build, upstream=upstream)
 
 
-def _runs_dir() -> Path:
-    path = home_dir() / "runs"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
 
 @dg.asset_check(asset=gpt_checkpoint, blocking=True)
 def val_loss_beats_uniform(gpt_checkpoint: ArtifactRef) -> dg.AssetCheckResult:
@@ -168,7 +163,7 @@ def export_reproduces_val_loss(gpt_checkpoint: ArtifactRef, token_shards: Artifa
     store.verify(gpt_checkpoint.key)
     root = store.local_path(gpt_checkpoint.key)
     expected = json.loads((root / "reference.json").read_text())
-    with tempfile.TemporaryDirectory(dir=_runs_dir()) as tmp:
+    with tempfile.TemporaryDirectory(dir=runs_dir()) as tmp:
         batch = reference_batch(token_shards.uri, expected["num_samples"], tmp)
         loss = hf_loss(root / "hf", batch)
     diff = abs(loss - expected["val_batch_loss"])
