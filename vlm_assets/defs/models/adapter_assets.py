@@ -72,7 +72,6 @@ class OcclusionAdapterConfig(ValidatedConfig):
             raise ValueError(f"config field {err}") from err
 
 
-
 def preflight(config: OcclusionAdapterConfig, manifests: Path) -> None:
     """Bad rows fail the step at once (no retries), naming the manifest line."""
     for split, limit in (("train", config.num_train), ("validation", config.num_validation)):
@@ -116,14 +115,14 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
     store = artifact_store.get_store()
 
     def build(staging: Path, run: TrackedRun) -> Built:
-        preflight(config, store.local_path(occlusion_manifests.key))
-        backbone = resolve_backbone(config, store, occlusion_manifests, context.log.info)
         manifests = store.local_path(occlusion_manifests.key)
+        preflight(config, manifests)
+        backbone = resolve_backbone(config, store, occlusion_manifests, context.log.info)
         check_prompt_lengths(backbone, OcclusionSamples(manifests, "train", config.image_size, None).images.rows,
                              config.image_size, config.max_length, str(manifests / "train.jsonl"))
         work = Path(tempfile.mkdtemp(prefix="adapter-", dir=runs_dir()))
         try:
-            train = config.train_config(str(store.local_path(occlusion_manifests.key)), backbone, str(staging),
+            train = config.train_config(str(manifests), backbone, str(staging),
                                         str(work), artifact_store.spec(), f"checkpoints/{key}",
                                         mlflow.tracking_uri, run.run_id)
             train.save(work / "run.json")
@@ -138,7 +137,8 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
                 last_try = context.retry_number >= occlusion_adapter.op.retry_policy.max_retries
                 if not (config.materialize_partial_on_failure and last_try):
                     raise
-                context.log.warning(f"training failed for good; materializing the last checkpoint as partial: {failure.description}")
+                context.log.warning("training failed for good; materializing the last checkpoint as partial: "
+                                    f"{failure.description}")
                 values = partial_from_checkpoint(store, f"checkpoints/{key}", staging)
                 partial = True
         finally:

@@ -139,7 +139,6 @@ def gpt_checkpoint(
     return materialize_memoized(context, store=store, mlflow=mlflow, config=config, build=build, upstream=upstream)
 
 
-
 @dg.asset_check(asset=gpt_checkpoint, blocking=True)
 def val_loss_beats_uniform(gpt_checkpoint: ArtifactRef) -> dg.AssetCheckResult:
     """Final validation loss is finite and at least ``min_val_loss_gain`` nats below the loss of a
