@@ -12,6 +12,13 @@ import torch
 import torch.distributed as dist
 
 
+def say(line: str) -> None:
+    # One write per line: ranks of a node share torchrun's stdout pipe, and print() writes the text and
+    # the newline separately, so two ranks printing at once could interleave within a line.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fail-rank", type=int, default=-1)
@@ -21,9 +28,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
-    print(f"rank {rank}/{world} pid {os.getpid()} sum {int(total.item())}", flush=True)
+    say(f"rank {rank}/{world} pid {os.getpid()} sum {int(total.item())}")
     if rank == args.fail_rank:
-        print(f"rank {rank} failing on purpose", flush=True)
+        say(f"rank {rank} failing on purpose")
         sys.exit(3)
     if args.hang:
         time.sleep(3600)  # stands in for a collective that never completes

@@ -49,7 +49,7 @@ def test_a_failing_node_stops_every_node_and_is_reported():
 def test_the_job_timeout_stops_a_hanging_job():
     lines = []
     # Long enough for both workers to start and report even on a loaded 2-core machine.
-    spec = LaunchSpec(WORKER, ("--hang",), num_nodes=1, nproc_per_node=2, env=ENV, timeout_s=45)
+    spec = LaunchSpec(WORKER, ("--hang",), num_nodes=1, nproc_per_node=2, env=ENV, timeout_s=30)
     with pytest.raises(LaunchFailed, match="timeout"):
         run_local(spec, on_line=lines.append)
     pids = _pids(lines)
