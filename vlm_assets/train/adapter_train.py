@@ -10,6 +10,7 @@ committed to the artifact store; a relaunch resumes from the newest intact one. 
 """
 
 import argparse
+import json
 import os
 import warnings
 from pathlib import Path
@@ -126,8 +127,6 @@ def train(config: AdapterTrainConfig, rank: int, reporter: Reporter) -> None:
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().cpu().contiguous() for k, v in module.adapter.state_dict().items()},
                   str(out / "adapter.safetensors"))
-        import json
-
         (out / "history.json").write_text(json.dumps({"epochs": history.epochs,
                                                       "resumed_from_epoch": history.resumed_from_epoch}))
         last = history.epochs[-1]

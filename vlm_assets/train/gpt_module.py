@@ -2,7 +2,6 @@
 streaming data module (per-rank shards, resumable position)."""
 
 import math
-import time
 
 import lightning as L
 import torch
@@ -45,8 +44,6 @@ class GPTPretrainModule(L.LightningModule):
         self.lr = lr
         self.model: GPT | None = None
         self.step_losses: list[float] = []  # train loss of each micro-batch of the current optimizer step
-        self.train_started = 0.0
-        self.tokens_this_run = 0  # since this process started (a resumed run counts from its restart)
 
     def configure_model(self) -> None:
         if self.model is not None:  # called again by trainer.validate after fit
@@ -63,7 +60,6 @@ class GPTPretrainModule(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         _, loss = self(batch["input_ids"], batch["labels"])
         self.step_losses.append(loss.detach().float().item())
-        self.tokens_this_run += batch["input_ids"].numel() * self.trainer.world_size
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/perplexity", perplexity(loss))
         return loss
@@ -76,9 +72,6 @@ class GPTPretrainModule(L.LightningModule):
         loss = self.trainer.callback_metrics.get("val/loss")
         if loss is not None:
             self.log("val/perplexity", perplexity(loss), sync_dist=True)
-
-    def on_train_start(self) -> None:
-        self.train_started = time.perf_counter()
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # Gradient clipping, one code path for both strategies. Under DDP the gradients are already

@@ -87,9 +87,7 @@ class TrainingHistory(L.Callback):
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         self.train.append({"step": step, "loss": loss, "lr": lr})
         if step % self.every == 0 or step == self.max_steps:
-            elapsed = time.perf_counter() - self._started
-            tokens_per_s = (step - self._start_step) * self.tokens_per_step / max(elapsed, 1e-9)
-            self.reporter.metrics({"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s}, step)
+            self.reporter.metrics({"train/loss": loss, "train/lr": lr, "train/tokens_per_s": self.tokens_per_s(step)}, step)
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:
@@ -101,6 +99,7 @@ class TrainingHistory(L.Callback):
         self.reporter.metrics({"val/loss": loss}, trainer.global_step)
 
     def tokens_per_s(self, step: int) -> float:
+        """Training tokens per second of this process' run (a resumed run counts from its restart)."""
         elapsed = time.perf_counter() - self._started
         return (step - self._start_step) * self.tokens_per_step / max(elapsed, 1e-9)
 
