@@ -44,17 +44,9 @@ def embedded(tmp_path, monkeypatch, mlflow_uri):
     """An isolated embedded default: VLM_ASSETS_HOME, DAGSTER_HOME and artifact store under tmp_path."""
     import dagster as dg
 
-    from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
-    from vlm_assets.defs.platform.storage import LocalArtifactStoreResource
-    from vlm_assets.defs.platform.tracking import MlflowTrackingResource
-
     monkeypatch.setenv("VLM_ASSETS_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
-    resources = {
-        "artifact_store": LocalArtifactStoreResource(root=str(tmp_path / "artifacts")),
-        "mlflow": MlflowTrackingResource(tracking_uri=mlflow_uri, artifact_location=(tmp_path / "mlruns").as_uri()),
-        "launcher": LocalTorchrunLauncher(),
-    }
+    resources = IsolatedEnv(tmp_path, [], mlflow_uri).resources
     with dg.instance_for_test() as instance:
         yield Embedded(resources, instance, tmp_path)
 

@@ -1,15 +1,15 @@
 """Everything one occlusion-adapter training run needs (the launcher passes it to every process as JSON)."""
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any
+
+from vlm_assets.train.run_config import RunConfig
 
 STRATEGIES = ("auto", "ddp", "deepspeed")
 
 
 @dataclasses.dataclass
-class AdapterTrainConfig:
+class AdapterTrainConfig(RunConfig):
     manifests_dir: str  # an occlusion_manifests artifact (local directory)
     backbone: str  # Qwen2.5-VL hub id or local directory; frozen
     out_dir: str  # rank 0 writes adapter.safetensors, history.json here
@@ -44,20 +44,3 @@ class AdapterTrainConfig:
             raise ValueError(f"image_size {self.image_size} must be a multiple of 28 (Qwen patch 14 x merge 2)")
         if self.reconstruction_loss_weight < 0 or self.lr <= 0:
             raise ValueError("lr must be > 0 and reconstruction_loss_weight >= 0")
-
-    def accumulation(self, world_size: int) -> int:
-        per_step = self.micro_batch_size * world_size
-        if self.global_batch_size % per_step:
-            raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
-                             f"{self.micro_batch_size} x world size {world_size} = {per_step}")
-        return self.global_batch_size // per_step
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
-
-    @classmethod
-    def load(cls, path: Path) -> "AdapterTrainConfig":
-        try:
-            return cls(**json.loads(Path(path).read_text()))
-        except TypeError as err:
-            raise ValueError(f"{path}: {err}") from err

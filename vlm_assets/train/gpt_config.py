@@ -1,17 +1,16 @@
 """Everything one GPT pretraining run needs, as one JSON-able dataclass (the launcher passes it as a file)."""
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any
 
 from vlm_assets.models.gpt import PRESETS
+from vlm_assets.train.run_config import RunConfig
 
 STRATEGIES = ("ddp", "fsdp2")
 
 
 @dataclasses.dataclass
-class PretrainConfig:
+class PretrainConfig(RunConfig):
     shards_uri: str  # a token_shards artifact: local directory or s3:// URI
     out_dir: str  # rank 0 writes the consolidated checkpoint + Hugging Face export here
     cache_dir: str  # per-run local directory (streaming shard cache, staging); never shared by two runs
@@ -52,23 +51,3 @@ class PretrainConfig:
             raise ValueError("warmup_steps, grad_clip and weight_decay must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-
-    def accumulation(self, world_size: int) -> int:
-        """Micro-batches per optimizer step so that ``global_batch_size`` sequences make one step."""
-        per_step = self.micro_batch_size * world_size
-        if self.global_batch_size % per_step:
-            raise ValueError(
-                f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
-                f"{self.micro_batch_size} x world size {world_size} = {per_step}"
-            )
-        return self.global_batch_size // per_step
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
-
-    @classmethod
-    def load(cls, path: Path) -> "PretrainConfig":
-        try:
-            return cls(**json.loads(Path(path).read_text()))
-        except TypeError as err:
-            raise ValueError(f"{path}: {err}") from err
