@@ -12,6 +12,7 @@ import gzip
 import pickle
 import tarfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -143,18 +144,27 @@ _TRAIN_DIRS = ("train",)
 _EVAL_DIRS = ("test", "eval", "validation", "val")
 
 
-def load_image_folder(root: Path, resize_to: int | None = None) -> ImageSource:
+def load_image_folder(root: Path, resize_to: int | None = None, validation_fraction: float = 0.1, seed: int = 0,
+                      log: Callable[[str], None] = print) -> ImageSource:
     """Read ``root/train/<class>/*`` and ``root/{test,eval,validation,val}/<class>/*``.
 
     Class names are the sub-folder names of ``train`` (sorted). All images must share one size unless
     ``resize_to`` is set (then each is resized to a square of that side). Grey and RGBA become RGB.
+    With only ``train/``, a seeded, per-class ``validation_fraction`` of it becomes the eval split
+    (said through ``log``).
     """
     train_dir = _pick_dir(root, _TRAIN_DIRS)
-    eval_dir = _pick_dir(root, _EVAL_DIRS)
     class_names = sorted(d.name for d in train_dir.iterdir() if d.is_dir())
-    eval_classes = sorted(d.name for d in eval_dir.iterdir() if d.is_dir())
     if not class_names:
         raise ValueError(f"{train_dir}: unknown class folder layout, expected one sub-folder per class")
+    if not any((root / name).is_dir() for name in _EVAL_DIRS):
+        train = _read_split(train_dir, class_names, resize_to)
+        keep, held = stratified_split(train.labels, validation_fraction, seed)
+        log(f"{root}: no {'/'.join(_EVAL_DIRS)} folder; holding out {len(held)} of {len(train.labels)} train images "
+            f"({validation_fraction:.0%} per class, seed {seed}) as the validation split")
+        return ImageSource(root.name, class_names, _take(train, keep), _take(train, held))
+    eval_dir = _pick_dir(root, _EVAL_DIRS)
+    eval_classes = sorted(d.name for d in eval_dir.iterdir() if d.is_dir())
     if eval_classes != class_names:
         raise ValueError(f"{eval_dir}: class folders {eval_classes} differ from {train_dir}'s {class_names}")
     splits = [_read_split(d, class_names, resize_to) for d in (train_dir, eval_dir)]
@@ -162,6 +172,26 @@ def load_image_folder(root: Path, resize_to: int | None = None) -> ImageSource:
     if len(size) > 1:
         raise ValueError(f"{root}: train and eval images differ in size {sorted(size)}; set resize_to")
     return ImageSource(root.name, class_names, *splits)
+
+
+def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held-out) sorted indices: ``round(fraction x n_c)`` of each class held out, at least one."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"validation_fraction must be in (0, 1), got {fraction}")
+    rng = np.random.default_rng(seed)
+    held = []
+    for cls in np.unique(labels):
+        members = np.flatnonzero(labels == cls)
+        if len(members) < 2:
+            raise ValueError(f"class {int(cls)} has {len(members)} image(s): too few to hold one out for validation")
+        count = min(max(1, round(fraction * len(members))), len(members) - 1)
+        held.append(rng.permutation(members)[:count])
+    held_out = np.sort(np.concatenate(held))
+    return np.setdiff1d(np.arange(len(labels)), held_out), held_out
+
+
+def _take(split: ImageSplit, index: np.ndarray) -> ImageSplit:
+    return ImageSplit(split.images[index], split.labels[index], [split.origins[i] for i in index])
 
 
 def _pick_dir(root: Path, names: tuple[str, ...]) -> Path:

@@ -17,6 +17,7 @@ class CheckOutcome:
     passed: bool
     description: str
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    warning: bool = False  # a failure to report, not to block on
 
 
 def _rows(root: Path) -> dict[str, list[dict[str, Any]]]:
@@ -40,10 +41,12 @@ def boxes_within_bounds(root: Path, bounds: dict[str, BoxBounds]) -> CheckOutcom
     return CheckOutcome(not failures, "; ".join(failures) or "every box side is within its split's bounds", worst)
 
 
-def classes_balanced(root: Path, tolerance: float) -> CheckOutcome:
-    """Every class present in every split, each class's share within ``tolerance`` of 1/num_classes."""
+def classes_balanced(root: Path, tolerance: float, balanced: dict[str, bool]) -> CheckOutcome:
+    """Every class present in every split (a failure); in splits where ``balanced`` says a balanced
+    subset was asked for, each class's share within ``tolerance`` of 1/num_classes (a failure),
+    elsewhere an imbalance is reported as a warning."""
     num_classes = len(json.loads((root / "dataset.json").read_text())["class_names"])
-    failures, meta = [], {}
+    failures, warnings, meta = [], [], {}
     for split, rows in _rows(root).items():
         counts = np.bincount([r["label_index"] for r in rows], minlength=num_classes)
         expected = len(rows) / num_classes
@@ -51,8 +54,12 @@ def classes_balanced(root: Path, tolerance: float) -> CheckOutcome:
         if (missing := np.flatnonzero(counts == 0)).size:
             failures.append(f"{split}: classes {missing.tolist()} have no images")
         elif (np.abs(counts - expected) > tolerance * expected).any():
-            failures.append(f"{split}: class counts {counts.tolist()} deviate more than {tolerance:.0%} from {expected:.1f}")
-    return CheckOutcome(not failures, "; ".join(failures) or f"all {num_classes} classes present and balanced", meta)
+            message = f"{split}: class counts {counts.tolist()} deviate more than {tolerance:.0%} from {expected:.1f}"
+            (failures if balanced[split] else warnings).append(
+                message if balanced[split] else message + " (the source's own distribution; no balanced subset asked for)")
+    problems = failures or warnings
+    return CheckOutcome(not problems, "; ".join(problems) or f"all {num_classes} classes present and balanced", meta,
+                        warning=not failures and bool(warnings))
 
 
 def counts_match(root: Path, expected: dict[str, int | None]) -> CheckOutcome:

@@ -1,46 +1,45 @@
-"""Everything one occlusion-adapter training run needs (the launcher passes it to every process as JSON)."""
+"""The one config of occlusion-adapter training: the ``occlusion_adapter`` asset's config and the
+torchrun entry point's (``--config run.json``). Its defaults are the seed's."""
 
-import dataclasses
-from typing import Any
+from typing import Literal
 
-from vlm_assets.train.run_config import RunConfig
+from pydantic import Field, field_validator
 
-STRATEGIES = ("auto", "ddp", "deepspeed")
+from vlm_assets.train.run_config import RunConfig, run_field
+
+TINY_CLEAN = "tiny-clean"
 
 
-@dataclasses.dataclass
 class AdapterTrainConfig(RunConfig):
-    manifests_dir: str  # an occlusion_manifests artifact (local directory)
-    backbone: str  # Qwen2.5-VL hub id or local directory; frozen
-    out_dir: str  # rank 0 writes adapter.safetensors, history.json here
-    cache_dir: str  # per-run scratch
-    checkpoint_store: dict[str, Any]  # vlm_assets.storage.spec: recovery checkpoints go here
-    checkpoint_prefix: str  # <prefix>/step-<N>; a relaunch resumes from the newest intact one
-    epochs: int = 8
-    lr: float = 2e-4
-    weight_decay: float = 1e-2
-    global_batch_size: int = 16  # samples per optimizer step over all processes
-    micro_batch_size: int = 1  # samples per process per forward/backward (the seed's per-device batch)
-    grad_clip: float = 1.0
-    image_size: int = 224
-    max_length: int = 512
-    gradient_checkpointing: bool = False  # recompute backbone activations in backward (memory for time)
-    reconstruction_loss_weight: float = 0.35  # x mean |adapter(x) - clean| inside the occluded box
-    seed: int = 7
-    strategy: str = "auto"  # auto = deepspeed (ZeRO-2) on GPUs, ddp on CPU
-    num_train: int | None = None  # first N training rows (None = all)
-    num_validation: int | None = None
-    log_every: int = 10
-    mlflow_tracking_uri: str | None = None
-    mlflow_run_id: str | None = None
+    backbone: str = Field(default="Qwen/Qwen2.5-VL-3B-Instruct", description=(
+        "Frozen Qwen2.5-VL: hub id or local directory. 'tiny-clean' builds a tiny Qwen2.5-VL and teaches it "
+        "the clean task first (no hub needed; demo and tests)."))
+    clean_backbone_steps: int = Field(default=600, ge=1, description="tiny-clean only: clean-task training steps.")
+    epochs: int = Field(default=8, ge=1, description="Training epochs.")
+    lr: float = Field(default=2e-4, gt=0, description="AdamW learning rate (betas 0.9, 0.95).")
+    weight_decay: float = Field(default=1e-2, ge=0, description="AdamW weight decay.")
+    global_batch_size: int = Field(default=16, ge=1, description="Samples per optimizer step over all processes.")
+    micro_batch_size: int = run_field(1, "Samples per process per forward/backward (the seed's per-device batch; "
+                                         "accumulation keeps the global batch).", ge=1)
+    grad_clip: float = Field(default=1.0, ge=0, description="Gradient norm clip (0 disables).")
+    image_size: int = Field(default=224, ge=28, description="Square input size (multiple of 28: Qwen patch 14 x merge 2).")
+    max_length: int = Field(default=512, ge=8, description="Longest prompt + answer in tokens.")
+    reconstruction_loss_weight: float = Field(default=0.35, ge=0, description=(
+        "Weight of the masked L1 to the clean image inside the box."))
+    seed: int = Field(default=7, description="Seeds init and data order.")
+    strategy: Literal["auto", "ddp", "deepspeed"] = Field(default="auto", description=(
+        "auto = DeepSpeed ZeRO-2 on GPUs, DDP (gloo) on CPU."))
+    num_train: int | None = Field(default=None, ge=1, description="Use the first N training rows (unset = all).")
+    num_validation: int | None = Field(default=None, ge=1, description="Use the first N validation rows (unset = all).")
+    gradient_checkpointing: bool = run_field(False, "Recompute backbone activations in backward (memory for time).")
+    log_every: int = run_field(10, "Report train metrics every this many steps.", ge=1)
+    materialize_partial_on_failure: bool = run_field(False, (
+        "If training fails on the last retry, materialize the last recovery checkpoint flagged partial "
+        "(its blocking check fails, so nothing downstream uses it) instead of failing the step."))
 
-    def __post_init__(self):
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy: {self.strategy!r} is not one of {STRATEGIES}")
-        for name in ("epochs", "global_batch_size", "micro_batch_size", "max_length", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.image_size % 28:
-            raise ValueError(f"image_size {self.image_size} must be a multiple of 28 (Qwen patch 14 x merge 2)")
-        if self.reconstruction_loss_weight < 0 or self.lr <= 0:
-            raise ValueError("lr must be > 0 and reconstruction_loss_weight >= 0")
+    @field_validator("image_size")
+    @classmethod
+    def _patch_multiple(cls, value: int) -> int:
+        if value % 28:
+            raise ValueError(f"image_size {value} must be a multiple of 28 (Qwen patch 14 x merge 2)")
+        return value

@@ -45,9 +45,9 @@ def masked_l1(restored: torch.Tensor, clean: torch.Tensor, mask: torch.Tensor) -
 
 
 class AdapterModule(L.LightningModule):
-    def __init__(self, config: AdapterTrainConfig):
+    def __init__(self, config: AdapterTrainConfig, backbone: str):
         super().__init__()
-        self.config = config
+        self.config, self.backbone_path = config, backbone
         self.adapter = OcclusionAdapter()
         self.backbone: QwenVLBackbone | None = None
         self.strict_loading = False  # checkpoints hold the adapter only
@@ -55,7 +55,7 @@ class AdapterModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.backbone is None:
             dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-            self.backbone = QwenVLBackbone(self.config.backbone, max_length=self.config.max_length, dtype=dtype,
+            self.backbone = QwenVLBackbone(self.backbone_path, max_length=self.config.max_length, dtype=dtype,
                                            gradient_checkpointing=self.config.gradient_checkpointing)
 
     def losses(self, batch: dict) -> dict[str, torch.Tensor]:

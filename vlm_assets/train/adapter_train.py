@@ -2,7 +2,8 @@
 
     torchrun --nnodes=1 --nproc-per-node=2 -m vlm_assets.train.adapter_train --config run.json
 
-``run.json`` is an ``AdapterTrainConfig``. The backbone is frozen; only the 10,532 adapter parameters
+``run.json`` holds an ``AdapterTrainConfig`` and the launch's ``RunPaths`` (inputs ``occlusion_manifests``
+and ``backbone``, a resolved directory or hub id). The backbone is frozen; only the 10,532 adapter parameters
 are trained (DeepSpeed ZeRO-2 with frozen parameters excluded on GPUs, DDP with gloo on CPU). After
 every validation epoch a recovery checkpoint (adapter, optimizer, loop state, metrics history) is
 committed to the artifact store; a relaunch resumes from the newest intact one. Rank 0 writes
@@ -25,6 +26,7 @@ from vlm_assets.train.adapter_config import AdapterTrainConfig
 from vlm_assets.train.adapter_module import AdapterModule, OcclusionSamples, collate
 from vlm_assets.train.checkpoints import StoreCheckpoint, latest_checkpoint
 from vlm_assets.train.reporting import Reporter
+from vlm_assets.train.run_config import RunPaths, read_run_file
 
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 
@@ -97,33 +99,34 @@ def build_trainer(config: AdapterTrainConfig, callbacks) -> L.Trainer:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, required=True, help="an AdapterTrainConfig JSON file")
-    config = AdapterTrainConfig.load(parser.parse_args(argv).config)
+    parser.add_argument("--config", type=Path, required=True, help="a run file: AdapterTrainConfig + RunPaths")
+    config, paths = read_run_file(parser.parse_args(argv).config, AdapterTrainConfig)
     rank = int(os.environ.get("RANK", 0))
-    with Reporter.open(rank, config.mlflow_tracking_uri, config.mlflow_run_id) as reporter:
-        train(config, rank, reporter)
+    with Reporter.open(rank, paths.mlflow_tracking_uri, paths.mlflow_run_id) as reporter:
+        train(config, paths, rank, reporter)
 
 
-def train(config: AdapterTrainConfig, rank: int, reporter: Reporter) -> None:
+def train(config: AdapterTrainConfig, paths: RunPaths, rank: int, reporter: Reporter) -> None:
     L.seed_everything(config.seed, workers=True, verbose=False)
-    root = Path(config.manifests_dir)
+    root = Path(paths.input("occlusion_manifests"))
+    backbone = paths.input("backbone")
     train_data = OcclusionSamples(root, "train", config.image_size, config.num_train)
     val_data = OcclusionSamples(root, "validation", config.image_size, config.num_validation)
-    store = store_from_spec(config.checkpoint_store)
-    cache = Path(config.cache_dir) / f"rank{rank}"
-    resume = latest_checkpoint(store, config.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
+    store = store_from_spec(paths.checkpoint_store)
+    cache = Path(paths.cache_dir) / f"rank{rank}"
+    resume = latest_checkpoint(store, paths.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
     history = EpochHistory(reporter, config.log_every)
-    checkpoints = StoreCheckpoint(store, config.checkpoint_prefix, every=1, val_every=1, keep_last=2,
+    checkpoints = StoreCheckpoint(store, paths.checkpoint_prefix, every=1, val_every=1, keep_last=2,
                                   staging=cache / "staging", log=reporter.log)
     trainer = build_trainer(config, [history, checkpoints])
-    module = AdapterModule(config)
+    module = AdapterModule(config, backbone)
     loaders = [DataLoader(data, batch_size=config.micro_batch_size, shuffle=shuffle, collate_fn=collate)
                for data, shuffle in ((train_data, True), (val_data, False))]
-    reporter.log(f"adapter on frozen {config.backbone}: {len(train_data)} train / {len(val_data)} val samples, "
+    reporter.log(f"adapter on frozen {backbone}: {len(train_data)} train / {len(val_data)} val samples, "
                  + (f"resuming from {resume[0]}" if resume else "starting from scratch"))
     trainer.fit(module, *loaders, ckpt_path=str(resume[1]) if resume else None)
     if rank == 0:
-        out = Path(config.out_dir)
+        out = Path(paths.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().cpu().contiguous() for k, v in module.adapter.state_dict().items()},
                   str(out / "adapter.safetensors"))

@@ -99,20 +99,20 @@ class TokenDataModule(L.LightningDataModule):
     of every checkpoint: the number of samples consumed this epoch, counted on batches the model
     actually received (not those Lightning prefetched), in streaming's own resume format."""
 
-    def __init__(self, config: PretrainConfig):
+    def __init__(self, config: PretrainConfig, shards_uri: str, cache_dir: str):
         super().__init__()
-        self.config = config
+        self.config, self.shards_uri, self.cache_dir = config, shards_uri, cache_dir
         self.train_data = None
         self.val_data = None
         self._epoch: int | None = None
         self._consumed = 0  # global samples handed to the model in the current epoch of this process
 
     def setup(self, stage: str) -> None:
-        cache = f"{self.config.cache_dir}/shards"
+        cache = f"{self.cache_dir}/shards"
         if self.train_data is None:
-            self.train_data = token_dataset(self.config.shards_uri, "train", cache_dir=cache,
+            self.train_data = token_dataset(self.shards_uri, "train", cache_dir=cache,
                                             batch_size=self.config.micro_batch_size, shuffle=True, seed=self.config.seed)
-            self.val_data = token_dataset(self.config.shards_uri, "val", cache_dir=cache,
+            self.val_data = token_dataset(self.shards_uri, "val", cache_dir=cache,
                                           batch_size=self.config.micro_batch_size)
 
     def train_dataloader(self) -> DataLoader:

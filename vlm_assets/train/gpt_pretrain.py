@@ -2,8 +2,8 @@
 
     torchrun --nnodes=1 --nproc-per-node=2 -m vlm_assets.train.gpt_pretrain --config run.json
 
-``run.json`` is a ``PretrainConfig``. The run resumes by itself from the newest intact checkpoint under
-``checkpoint_prefix``; at the end rank 0 writes into ``out_dir``: ``checkpoint.ckpt`` (consolidated,
+``run.json`` holds a ``PretrainConfig`` and the ``RunPaths`` of the launch (``write_run_file``). The run
+resumes by itself from the newest intact checkpoint under ``checkpoint_prefix``; at the end rank 0 writes into ``out_dir``: ``checkpoint.ckpt`` (consolidated,
 the last committed one), ``hf/`` (a ``GPT2LMHeadModel`` export with tokenizer), ``history.json`` and
 ``reference.json`` (the loss of this model on a fixed validation batch, for the export check).
 Launched by Dagster, global rank 0 reports logs, metrics and the final metadata through Pipes.
@@ -28,6 +28,7 @@ from vlm_assets.models.gpt_export import export_hf
 from vlm_assets.storage import store_from_spec
 from vlm_assets.train.checkpoints import CHECKPOINT_FILE, StoreCheckpoint, latest_checkpoint, step_key
 from vlm_assets.train.gpt_config import PretrainConfig
+from vlm_assets.train.run_config import RunPaths, read_run_file
 from vlm_assets.train.gpt_module import GPTPretrainModule, TokenDataModule
 from vlm_assets.train.reporting import Reporter, TrainingHistory
 
@@ -58,29 +59,30 @@ def build_trainer(config: PretrainConfig, callbacks: list[L.Callback]) -> L.Trai
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, required=True, help="a PretrainConfig JSON file")
-    config = PretrainConfig.load(parser.parse_args(argv).config)
+    parser.add_argument("--config", type=Path, required=True, help="a run file: PretrainConfig + RunPaths")
+    config, paths = read_run_file(parser.parse_args(argv).config, PretrainConfig)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    with Reporter.open(rank, config.mlflow_tracking_uri, config.mlflow_run_id) as reporter:
-        train(config, rank, world, reporter)
+    with Reporter.open(rank, paths.mlflow_tracking_uri, paths.mlflow_run_id) as reporter:
+        train(config, paths, rank, world, reporter)
 
 
-def train(config: PretrainConfig, rank: int, world: int, reporter: Reporter) -> None:
-    summary = json.loads(_shards_path(config, "tokens.json").read_text())
+def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, reporter: Reporter) -> None:
+    shards_uri = paths.input("token_shards")
+    summary = json.loads(_shards_path(shards_uri, paths.cache_dir, "tokens.json").read_text())
     model_config, preset_lr = preset(config.preset, **{"vocab_size": summary["vocab_size"],
-                                                        "block_size": summary["max_length"], **config.model_overrides})
+                                                        "block_size": summary["max_length"], "dropout": config.dropout})
     lr = config.lr or preset_lr
     L.seed_everything(config.seed, workers=True, verbose=False)
-    store = store_from_spec(config.checkpoint_store)
-    cache = Path(config.cache_dir) / f"rank{rank}"
-    resume = latest_checkpoint(store, config.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
+    store = store_from_spec(paths.checkpoint_store)
+    cache = Path(paths.cache_dir) / f"rank{rank}"
+    resume = latest_checkpoint(store, paths.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
     tokens_per_step = config.global_batch_size * summary["max_length"]
     history = TrainingHistory(reporter, config.log_every, config.max_steps, tokens_per_step)
-    checkpoints = StoreCheckpoint(store, config.checkpoint_prefix, every=config.checkpoint_every,
+    checkpoints = StoreCheckpoint(store, paths.checkpoint_prefix, every=config.checkpoint_every,
                                   keep_last=config.keep_last, val_every=config.val_check_interval, staging=cache / "staging", log=reporter.log)
     trainer = build_trainer(config, [history, checkpoints])
     module = GPTPretrainModule(model_config, config, lr)
-    data = TokenDataModule(config)
+    data = TokenDataModule(config, shards_uri, paths.cache_dir)
     reporter.log(f"GPT {config.preset} ({model_config}), {config.strategy} on {world} process(es), "
                  f"accumulation {config.accumulation(world)}, lr {lr}, "
                  + (f"resuming from {resume[0]}" if resume else "starting from scratch"))
@@ -91,14 +93,14 @@ def train(config: PretrainConfig, rank: int, world: int, reporter: Reporter) -> 
     # Every rank takes part in gathering the full (unsharded) weights; rank 0 writes them out.
     state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     # Every rank opens the streaming dataset (its set-up is collective); rank 0 uses the batch.
-    batch = reference_batch(config.shards_uri, REFERENCE_SAMPLES, Path(config.cache_dir) / "reference")
+    batch = reference_batch(shards_uri, REFERENCE_SAMPLES, Path(paths.cache_dir) / "reference")
     if rank == 0:
-        out = Path(config.out_dir)
+        out = Path(paths.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        final = latest_checkpoint(store, config.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
-        assert final is not None and final[0] == step_key(config.checkpoint_prefix, trainer.global_step)
+        final = latest_checkpoint(store, paths.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
+        assert final is not None and final[0] == step_key(paths.checkpoint_prefix, trainer.global_step)
         shutil.copy2(final[1], out / CHECKPOINT_FILE)
-        export_hf(state, model_config, out / "hf", _shards_path(config, "tokenizer"))
+        export_hf(state, model_config, out / "hf", _shards_path(shards_uri, paths.cache_dir, "tokenizer"))
         reference = _reference_loss(model_config, state, batch)
         (out / "reference.json").write_text(json.dumps({"val_batch_loss": reference, "num_samples": REFERENCE_SAMPLES}))
         history.save(out / "history.json")
@@ -123,15 +125,15 @@ def _reference_loss(model_config, state, batch) -> float:
         return float(model(batch["input_ids"], batch["labels"])[1])
 
 
-def _shards_path(config: PretrainConfig, rel: str) -> Path:
+def _shards_path(shards_uri: str, cache_dir: str, rel: str) -> Path:
     """A file or directory of the token_shards artifact on local disk (downloaded once if on S3;
     ``S3_ENDPOINT_URL`` names a non-AWS endpoint, as for streaming itself)."""
-    if not config.shards_uri.startswith("s3://"):
-        return Path(config.shards_uri) / rel
+    if not shards_uri.startswith("s3://"):
+        return Path(shards_uri) / rel
     import boto3
 
-    target = Path(config.cache_dir) / "shards-meta" / rel
-    bucket, _, prefix = config.shards_uri.removeprefix("s3://").partition("/")
+    target = Path(cache_dir) / "shards-meta" / rel
+    bucket, _, prefix = shards_uri.removeprefix("s3://").partition("/")
     base = f"{prefix.rstrip('/')}/{rel}"
     client = boto3.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL"))
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
@@ -142,7 +144,7 @@ def _shards_path(config: PretrainConfig, rel: str) -> Path:
             path.parent.mkdir(parents=True, exist_ok=True)
             client.download_file(bucket, obj["Key"], str(path))
     if not target.exists():
-        raise FileNotFoundError(f"{config.shards_uri}/{rel} does not exist")
+        raise FileNotFoundError(f"{shards_uri}/{rel} does not exist")
     return target
 
 

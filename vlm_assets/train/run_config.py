@@ -1,17 +1,73 @@
-"""What every trainer's run config shares: JSON round trip (the launcher hands it to each process as a
-file) and gradient accumulation derived from the global batch and the world size."""
+"""What every trainer's config shares: identity vs run fields, validated JSON round trip, topology and
+gradient accumulation, and the run file the launcher hands to every process.
 
-import dataclasses
+A trainer has exactly one config model (``PretrainConfig``, ``AdapterTrainConfig``): the asset's
+Dagster config is that model mixed into ``dg.Config`` and the torchrun entry point reads the same
+model back from the run file. Fields are of two kinds:
+
+- **identity** (the default): they shape the artifact, so they enter the cache key and the key of the
+  training checkpoints;
+- **run** fields (declared with ``run_field``): they only say how to run it (time limit, topology,
+  logging and checkpoint cadence, retention). Changing one never changes the key, so a rerun with a
+  longer timeout or more nodes resumes from the last checkpoint of the same key.
+"""
+
 import json
 from pathlib import Path
-from typing import Self
+from typing import Any, Self, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+_RUN = {"identity": False}
+C = TypeVar("C", bound="RunConfig")
 
 
-class RunConfig:
-    """Base of the trainers' config dataclasses; they define ``global_batch_size`` and ``micro_batch_size``."""
+def run_field(default: Any, description: str, **constraints: Any) -> Any:
+    """A field that says how to run, not what is produced: outside the cache key, recorded in metadata."""
+    return Field(default=default, description=description, json_schema_extra=_RUN, **constraints)
 
-    global_batch_size: int
-    micro_batch_size: int
+
+def describe_validation_error(err: ValidationError, where: str) -> str:
+    """``<where>: field <a.b>: <message>`` lines, one per problem, for users rather than developers."""
+    lines = []
+    for e in err.errors():
+        message = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: field {'.'.join(map(str, e['loc']))}: {message}" if e["loc"] else f"{where}: {message}")
+    return "\n".join(lines)
+
+
+class Settings(BaseModel):
+    """A validated settings model whose fields are identity fields unless declared with ``run_field``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @classmethod
+    def run_field_names(cls) -> set[str]:
+        return {name for name, field in cls.model_fields.items() if field.json_schema_extra == _RUN}
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that shape the artifact: what the cache key hashes."""
+        return self.model_dump(mode="json", exclude=self.run_field_names())
+
+    def run_settings(self) -> dict[str, Any]:
+        """The fields that only say how to run: recorded in metadata, never in the key."""
+        return self.model_dump(mode="json", include=self.run_field_names())
+
+
+class RunConfig(Settings):
+    """Base of the trainers' configs: batch sizes, topology, the job's time limit."""
+
+    micro_batch_size: int = Field(default=8, ge=1, description="Samples per process per forward/backward.")
+    global_batch_size: int = Field(default=256, ge=1, description=(
+        "Samples per optimizer step over all processes (gradient accumulation fills the gap)."))
+    num_nodes: int = run_field(1, "Nodes (local launcher: torchrun agents on 127.0.0.1).", ge=1)
+    nproc_per_node: int = run_field(1, "Processes (devices) per node.", ge=1)
+    timeout_s: int = run_field(24 * 3600, "The whole training job's time limit; raise it and rerun to resume.", ge=1)
+
+    @model_validator(mode="after")
+    def _batch_fits_the_world(self) -> Self:
+        self.accumulation(self.num_nodes * self.nproc_per_node)
+        return self
 
     def accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step so that ``global_batch_size`` samples make one step."""
@@ -23,12 +79,42 @@ class RunConfig:
             )
         return self.global_batch_size // per_step
 
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
 
-    @classmethod
-    def load(cls, path: Path) -> Self:
-        try:
-            return cls(**json.loads(Path(path).read_text()))
-        except TypeError as err:
-            raise ValueError(f"{path}: {err}") from err
+class RunPaths(BaseModel):
+    """Where one launched run reads and writes: resolved by the asset at launch, never part of the key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: dict[str, str] = Field(description="Upstream locations by name (local path or s3:// URI).")
+    out_dir: str = Field(description="Rank 0 writes the final artifact files here.")
+    cache_dir: str = Field(description="Per-run local scratch (streaming cache, staging); never shared by two runs.")
+    checkpoint_store: dict[str, Any] = Field(description="vlm_assets.storage spec of the checkpoint store.")
+    checkpoint_prefix: str = Field(description="Checkpoints live under <prefix>/step-<N>; a relaunch resumes there.")
+    mlflow_tracking_uri: str | None = Field(default=None, description="Rank 0 logs metrics to this run when both are set.")
+    mlflow_run_id: str | None = None
+
+    def input(self, name: str) -> str:
+        if name not in self.inputs:
+            raise ValueError(f"run paths: input {name!r} missing (have {sorted(self.inputs)})")
+        return self.inputs[name]
+
+
+def write_run_file(path: Path, config: RunConfig, paths: RunPaths) -> None:
+    """The JSON every process of a launch reads: ``{"config": ..., "paths": ...}``."""
+    path.write_text(json.dumps({"config": config.model_dump(mode="json"), "paths": paths.model_dump(mode="json")},
+                               indent=1))
+
+
+def read_run_file(path: Path, config_type: type[C]) -> tuple[C, RunPaths]:
+    """Parse and validate a run file; errors name the file and the field."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err})") from None
+    if not isinstance(data, dict) or set(data) != {"config", "paths"}:
+        raise ValueError(f"{path}: expected an object with the keys 'config' and 'paths'")
+    try:
+        # Only the fields this trainer's model declares: a Dagster subclass may carry none beyond them.
+        return config_type.model_validate(data["config"]), RunPaths.model_validate(data["paths"])
+    except ValidationError as err:
+        raise ValueError(describe_validation_error(err, str(path))) from None

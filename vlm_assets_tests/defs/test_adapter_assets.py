@@ -30,12 +30,13 @@ ADAPTER = {"backbone": "tiny-clean", "clean_backbone_steps": 400, "image_size": 
            "micro_batch_size": 8, "global_batch_size": 16, "nproc_per_node": 2, "num_train": 480, "log_every": 10}
 
 
-def run_config(offline_data, adapter=None, report=None):
+def run_config(offline_data, adapter=None, report=None, min_accuracy=0.3):
     return {"ops": {
         "occlusion_manifests": {"config": {"source": "fashion_mnist", "source_uri": str(offline_data / "fashion-mnist"),
                                            "num_train": 1000, "num_validation": 200}},
         "occlusion_adapter": {"config": {**ADAPTER, **(adapter or {})}},
-        "eval_report": {"config": {"num_samples": 200, "batch_size": 50, "num_cards": 12, "min_accuracy": 0.3, **(report or {})}},
+        "eval_report": {"config": {"num_samples": 200, "batch_size": 50, "num_cards": 12, **(report or {})}},
+        "eval_report_adapter_accuracy_meets_threshold": {"config": {"min_accuracy": min_accuracy}},
     }}
 
 
@@ -111,13 +112,15 @@ def test_rerun_is_all_cache_hits(pipeline, offline_data):
         assert meta(again, asset)["cache"] == "hit", asset
 
 
-def test_failed_accuracy_check_blocks_registration(pipeline, offline_data):
+def test_raised_threshold_reruns_the_check_only_and_blocks_registration(pipeline, offline_data):
     env, _ = pipeline
     client = mlflow.MlflowClient(env.uri)
     before = client.get_model_version_by_alias("occlusion_adapter", "champion").version
-    result = env.materialize(run_config(offline_data, report={"min_accuracy": 1.0}), raise_on_error=False)
+    result = env.materialize(run_config(offline_data, min_accuracy=1.0), raise_on_error=False)
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks["adapter_accuracy_meets_threshold"] is False
+    # The threshold is the check's own config: nothing was trained or evaluated again.
+    assert meta(result, "occlusion_adapter")["cache"] == "hit" and meta(result, "eval_report")["cache"] == "hit"
     assert meta(result, "registered_adapter") is None  # never ran
     assert client.get_model_version_by_alias("occlusion_adapter", "champion").version == before
 
@@ -221,9 +224,7 @@ def test_training_changes_only_the_adapter(pipeline, tmp_path):
 
     env, first = pipeline
     manifests = env.store.local_path(meta(first, "occlusion_manifests")["cache_key"])
-    config = AdapterTrainConfig(manifests_dir=str(manifests), backbone=_backbone_dir(env), out_dir="", cache_dir="",
-                                checkpoint_store={}, checkpoint_prefix="", image_size=56, lr=5e-3)
-    module = AdapterModule(config)
+    module = AdapterModule(AdapterTrainConfig(image_size=56, lr=5e-3), _backbone_dir(env))
     module.configure_model()
     backbone_before = {k: v.clone() for k, v in module.backbone.state_dict().items()}
     adapter_before = {k: v.clone() for k, v in module.adapter.state_dict().items()}

@@ -124,8 +124,8 @@ def test_checks_guard_a_cached_artifact_that_was_damaged(embedded, offline_data)
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"train_box_min": 0.5, "train_box_max": 0.4}, "config fields train_box_min/train_box_max: box fractions must satisfy"),
-    ({"num_train": 0}, "config field num_train must be a positive integer"),
+    ({"train_box_min": 0.5, "train_box_max": 0.4}, "config of OcclusionManifestsConfig: train_box_min/train_box_max: box fractions must satisfy"),
+    ({"num_train": 0}, "config of OcclusionManifestsConfig: field num_train: Input should be greater than or equal to 1"),
     ({"num_train": 70000}, "num_train=70000 exceeds the 60000 images"),
     ({"source_uri": "/nonexistent/fmnist"}, "/nonexistent/fmnist: no such file or directory"),
 ])
@@ -162,7 +162,7 @@ def test_token_shards_asset_and_checks(embedded, offline_data):
 @pytest.mark.parametrize("overrides,message", [
     ({"text_glob": "/nonexistent/*.txt"}, "text corpus '/nonexistent/*.txt' matches no files"),
     ({"tokenizer": "/nonexistent/tokenizer"}, "tokenizer '/nonexistent/tokenizer' cannot be loaded"),
-    ({"max_length": 1}, "config field max_length must be at least 2"),
+    ({"max_length": 1}, "config of TokenShardsConfig: field max_length: Input should be greater than or equal to 2"),
     ({"max_length": 10_000_000}, "too short for one block"),
 ])
 def test_bad_token_input_fails_clearly_and_leaves_no_artifact(embedded, offline_data, overrides, message):

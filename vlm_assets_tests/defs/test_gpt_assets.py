@@ -18,6 +18,7 @@ from vlm_assets.defs.models.gpt_assets import export_reproduces_val_loss, gpt_ch
 from vlm_assets.launch import LaunchSpec, run_local
 from vlm_assets.train.checkpoints import CHECKPOINT_FILE, latest_checkpoint
 from vlm_assets.train.gpt_config import PretrainConfig
+from vlm_assets.train.run_config import RunPaths, write_run_file
 from vlm_assets_tests.conftest import IsolatedEnv, training_workers
 
 pytestmark = pytest.mark.slow
@@ -153,10 +154,9 @@ def test_damaged_checkpoint_is_skipped_for_the_previous_one_by_plain_torchrun(dd
     # The trainer itself, without Dagster: resumes from step 24 and ends at the same loss.
     (shards_key,) = env.store.list_complete("token_shards")
     shards = env.store.local_path(shards_key)
-    config = PretrainConfig(shards_uri=str(shards), out_dir=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"),
-                            checkpoint_store=env.resources["artifact_store"].spec(), checkpoint_prefix=prefix,
-                            **{k: v for k, v in GPT.items() if k not in ("num_nodes", "nproc_per_node")})
-    config.save(tmp_path / "run.json")
+    paths = RunPaths(inputs={"token_shards": str(shards)}, out_dir=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"),
+                     checkpoint_store=env.resources["artifact_store"].spec(), checkpoint_prefix=prefix)
+    write_run_file(tmp_path / "run.json", PretrainConfig(**GPT), paths)
     lines = []
     run_local(LaunchSpec("vlm_assets.train.gpt_pretrain", ("--config", str(tmp_path / "run.json")), num_nodes=2,
                          env={"OMP_NUM_THREADS": "1"}, timeout_s=300), on_line=lines.append)

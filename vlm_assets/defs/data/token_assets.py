@@ -1,10 +1,10 @@
 """``token_shards``: a GPT-2-tokenized corpus packed into fixed-length blocks as MDS shards, and its checks."""
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from vlm_assets.data import token_checks
 from vlm_assets.data.token_shards import (
@@ -14,13 +14,13 @@ from vlm_assets.data.token_shards import (
     split_documents,
     write_token_shards,
 )
-from vlm_assets.defs.platform.memo import Built, ValidatedConfig, materialize_memoized
+from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.storage import ArtifactRef
 
 
-class TokenShardsConfig(ValidatedConfig):
+class TokenShardsConfig(AssetConfig):
     source: Literal["hf", "text_files"] = Field(
         default="hf", description="A Hugging Face dataset (hf_* fields) or local text files (text_glob).")
     hf_dataset: str = Field(default="wikitext", description="Hugging Face dataset id.")
@@ -30,24 +30,19 @@ class TokenShardsConfig(ValidatedConfig):
     text_column: str = Field(default="text", description="Column holding the text.")
     text_glob: str | None = Field(
         default=None, description="text_files: glob of UTF-8 files (** allowed); paragraphs are documents.")
-    val_fraction: float = Field(default=0.05, description="text_files: share of documents held out for val (seeded).")
+    val_fraction: float = Field(default=0.05, gt=0, lt=1, description="text_files: share of documents held out for val (seeded).")
     tokenizer: str = Field(default="gpt2", description="GPT-2 BPE: hub id or local directory (vocab.json + merges.txt).")
-    max_length: int = Field(default=1024, description="Tokens per block (sample); documents are joined with EOS.")
-    max_train_samples: int | None = Field(default=None, description="Cap on train blocks; unset = all.")
-    max_val_samples: int | None = Field(default=None, description="Cap on val blocks; unset = all.")
+    max_length: int = Field(default=1024, ge=2, description="Tokens per block (sample); documents are joined with EOS.")
+    max_train_samples: int | None = Field(default=None, ge=1, description="Cap on train blocks; unset = all.")
+    max_val_samples: int | None = Field(default=None, ge=1, description="Cap on val blocks; unset = all.")
     shard_size_limit: str = Field(default="64mb", description="MDS shard size limit (bytes or '64mb').")
     seed: int = Field(default=0, description="Seeds the text_files train/val split.")
 
-    def check_values(self) -> None:
-        if self.max_length < 2:
-            raise ValueError(f"config field max_length must be at least 2, got {self.max_length}")
-        for field in ("max_train_samples", "max_val_samples"):
-            if (value := getattr(self, field)) is not None and value < 1:
-                raise ValueError(f"config field {field} must be a positive integer or unset, got {value}")
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
         if self.source == "text_files" and not self.text_glob:
-            raise ValueError("config field text_glob is required when source is 'text_files'")
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"config field val_fraction must be in (0, 1), got {self.val_fraction}")
+            raise ValueError("text_glob is required when source is 'text_files'")
+        return self
 
 
 @dg.asset(

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import dagster as dg
 import torch
-from pydantic import Field
 from safetensors.torch import load_file
 
 from vlm_assets.defs.platform.launcher import TrainingLauncher
-from vlm_assets.defs.platform.memo import Built, ValidatedConfig, artifact_key, materialize_memoized
+from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.launch import LaunchSpec
@@ -20,56 +19,17 @@ from vlm_assets.memo import cache_key
 from vlm_assets.paths import runs_dir
 from vlm_assets.storage import ArtifactRef, ArtifactStore
 from vlm_assets.models.frozen_vlm import check_prompt_lengths
-from vlm_assets.train.adapter_config import AdapterTrainConfig
+from vlm_assets.train.adapter_config import TINY_CLEAN, AdapterTrainConfig
 from vlm_assets.train.adapter_module import OcclusionSamples
+from vlm_assets.train.run_config import RunPaths, write_run_file
 
-TINY_CLEAN = "tiny-clean"
 
-
-class OcclusionAdapterConfig(ValidatedConfig):
-    backbone: str = Field(default="Qwen/Qwen2.5-VL-3B-Instruct", description=(
-        "Frozen Qwen2.5-VL: hub id or local directory. 'tiny-clean' builds a tiny Qwen2.5-VL and teaches it "
-        "the clean task first (no hub needed; demo and tests)."))
-    epochs: int = Field(default=8, description="Training epochs.")
-    lr: float = Field(default=2e-4, description="AdamW learning rate (betas 0.9, 0.95).")
-    weight_decay: float = Field(default=1e-2, description="AdamW weight decay.")
-    global_batch_size: int = Field(default=16, description="Samples per optimizer step over all processes.")
-    micro_batch_size: int = Field(default=1, description="Samples per process per step (accumulation fills the gap).")
-    grad_clip: float = Field(default=1.0, description="Gradient norm clip (0 disables).")
-    image_size: int = Field(default=224, description="Square input size (multiple of 28).")
-    max_length: int = Field(default=512, description="Longest prompt + answer in tokens.")
-    gradient_checkpointing: bool = Field(default=False, description="Recompute backbone activations in backward.")
-    reconstruction_loss_weight: float = Field(default=0.35, description="Weight of the masked L1 reconstruction loss.")
-    seed: int = Field(default=7, description="Seeds init and data order.")
-    strategy: str = Field(default="auto", description="auto (DeepSpeed ZeRO-2 on GPUs, DDP on CPU), ddp, deepspeed.")
-    num_nodes: int = Field(default=1, description="Nodes for the launcher.")
-    nproc_per_node: int = Field(default=1, description="Processes per node.")
-    num_train: int | None = Field(default=None, description="Use the first N training rows (unset = all).")
-    num_validation: int | None = Field(default=None, description="Use the first N validation rows (unset = all).")
-    log_every: int = Field(default=10, description="Report train metrics every this many steps.")
-    timeout_s: int = Field(default=24 * 3600, description="The training job's time limit.")
-    clean_backbone_steps: int = Field(default=600, description="tiny-clean only: clean-task training steps.")
-    materialize_partial_on_failure: bool = Field(default=False, description=(
-        "If training fails on the last retry, materialize the last recovery checkpoint flagged partial "
-        "(its blocking check fails, so nothing downstream uses it) instead of failing the step."))
+class OcclusionAdapterConfig(AdapterTrainConfig, AssetConfig):
+    """``AdapterTrainConfig`` as the asset's config: the same fields, constraints and defaults."""
 
     def check_values(self) -> None:
-        if self.num_nodes < 1 or self.nproc_per_node < 1:
-            raise ValueError("config fields num_nodes and nproc_per_node must be >= 1")
         if self.backbone != TINY_CLEAN and self.backbone.startswith(("/", ".", "~")) and not Path(self.backbone).expanduser().is_dir():
             raise FileNotFoundError(f"config field backbone: directory {self.backbone} does not exist")
-        self.train_config("", "", "", "", {}, "").accumulation(self.num_nodes * self.nproc_per_node)
-
-    def train_config(self, manifests: str, backbone: str, out_dir: str, cache: str, store: dict, prefix: str,
-                     tracking_uri: str | None = None, run_id: str | None = None) -> AdapterTrainConfig:
-        fields = self.model_dump(exclude={"backbone", "num_nodes", "nproc_per_node", "timeout_s", "clean_backbone_steps",
-                                          "materialize_partial_on_failure"})
-        try:
-            return AdapterTrainConfig(manifests_dir=manifests, backbone=backbone, out_dir=out_dir, cache_dir=cache,
-                                      checkpoint_store=store, checkpoint_prefix=prefix, mlflow_tracking_uri=tracking_uri,
-                                      mlflow_run_id=run_id, **fields)
-        except ValueError as err:
-            raise ValueError(f"config field {err}") from err
 
 
 def preflight(config: OcclusionAdapterConfig, manifests: Path) -> None:
@@ -122,10 +82,11 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
                              config.image_size, config.max_length, str(manifests / "train.jsonl"))
         work = Path(tempfile.mkdtemp(prefix="adapter-", dir=runs_dir()))
         try:
-            train = config.train_config(str(manifests), backbone, str(staging),
-                                        str(work), artifact_store.spec(), f"checkpoints/{key}",
-                                        mlflow.tracking_uri, run.run_id)
-            train.save(work / "run.json")
+            paths = RunPaths(inputs={"occlusion_manifests": str(manifests), "backbone": backbone}, out_dir=str(staging),
+                             cache_dir=str(work), checkpoint_store=artifact_store.spec(),
+                             checkpoint_prefix=f"checkpoints/{key}", mlflow_tracking_uri=mlflow.tracking_uri,
+                             mlflow_run_id=run.run_id)
+            write_run_file(work / "run.json", config, paths)
             spec = LaunchSpec("vlm_assets.train.adapter_train", ("--config", str(work / "run.json")),
                               num_nodes=config.num_nodes, nproc_per_node=config.nproc_per_node,
                               timeout_s=config.timeout_s, name="occlusion_adapter")

@@ -9,23 +9,21 @@ import torch
 from pydantic import Field
 from safetensors.torch import load_file
 
-from vlm_assets.defs.platform.memo import Built, ValidatedConfig, materialize_memoized
+from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.storage import ArtifactRef
 
 
-class EvalReportConfig(ValidatedConfig):
-    num_samples: int | None = Field(default=None, description="Validation images evaluated (unset = all).")
-    batch_size: int = Field(default=16, description="Images per batched greedy decode.")
-    num_cards: int = Field(default=24, description="Prediction cards in the HTML report.")
-    min_accuracy: float = Field(default=0.5, description="Check: exact-match accuracy with the adapter must reach this.")
+class EvalReportConfig(AssetConfig):
+    num_samples: int | None = Field(default=None, ge=1, description="Validation images evaluated (unset = all).")
+    batch_size: int = Field(default=16, ge=1, description="Images per batched greedy decode.")
+    num_cards: int = Field(default=24, ge=0, description="Prediction cards in the HTML report.")
 
-    def check_values(self) -> None:
-        if self.batch_size < 1 or (self.num_samples is not None and self.num_samples < 1):
-            raise ValueError("config fields batch_size and num_samples must be >= 1")
-        if not 0 <= self.min_accuracy <= 1:
-            raise ValueError(f"config field min_accuracy must be in [0, 1], got {self.min_accuracy}")
+
+class AccuracyCheckConfig(dg.Config):
+    min_accuracy: float = Field(default=0.5, ge=0, le=1, description=(
+        "Exact-match accuracy with the adapter must reach this (a check setting: changing it re-runs the check only)."))
 
 
 def load_trained(store, adapter_ref: ArtifactRef):
@@ -77,7 +75,7 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, occ
                 f.write(json.dumps({"label": result.class_names[y], **{c: result.predictions[c][i] for c in result.predictions}}) + "\n")
         run.log_artifact(str(staging / "report.html"))
         run.log_artifact(str(staging / "eval.json"))
-        return Built(metrics=summary, metadata={"min_accuracy": config.min_accuracy},
+        return Built(metrics=summary,
                      markdown={"summary": markdown_table(summary),
                                "accuracy": f"![accuracy]({data_uri(accuracy_png(summary))})"})
 
@@ -85,9 +83,9 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, occ
 
 
 @dg.asset_check(asset=eval_report, blocking=True)
-def adapter_accuracy_meets_threshold(eval_report: ArtifactRef) -> dg.AssetCheckResult:
-    """Exact-match accuracy with the adapter is at least ``min_accuracy``."""
-    accuracy, bound = eval_report.metadata["metrics"]["accuracy_adapter"], eval_report.metadata["metadata"]["min_accuracy"]
+def adapter_accuracy_meets_threshold(config: AccuracyCheckConfig, eval_report: ArtifactRef) -> dg.AssetCheckResult:
+    """Exact-match accuracy with the adapter is at least ``min_accuracy`` (this check's config)."""
+    accuracy, bound = eval_report.metadata["metrics"]["accuracy_adapter"], config.min_accuracy
     return dg.AssetCheckResult(passed=bool(accuracy >= bound), description=f"accuracy {accuracy:.1%} vs threshold {bound:.1%}",
                                metadata={"accuracy_adapter": accuracy, "min_accuracy": bound})
 
@@ -99,7 +97,7 @@ def adapter_gain_non_negative(eval_report: ArtifactRef) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(passed=bool(gain >= 0), description=f"adapter gain {gain:+.1%}", metadata={"adapter_gain": gain})
 
 
-class RegisteredAdapterConfig(ValidatedConfig):
+class RegisteredAdapterConfig(AssetConfig):
     model_name: str = Field(default="occlusion_adapter", description="MLflow registered model name.")
     alias: str = Field(default="champion", description="Alias moved to the new version.")
 

@@ -41,8 +41,13 @@ class LocalTorchrunLauncher(TrainingLauncher):
             try:
                 run_local(spec, on_line=context.log.info, env={**self.env, **session.get_bootstrap_env_vars()})
             except LaunchFailed as err:
+                timed_out = err.exit_code is None
                 raise dg.Failure(
-                    description=str(err),
+                    # A retry under the same time limit would spend it again: the user raises
+                    # timeout_s (a run field, outside the cache key) and the rerun resumes instead.
+                    description=str(err) + ("\nRaise timeout_s and rerun: training resumes from the last "
+                                            "committed checkpoint of the same key." if timed_out else ""),
+                    allow_retries=not timed_out,
                     metadata={"node": err.node, "exit_code": err.exit_code if err.exit_code is not None else "timeout",
                               "worker_exit_code": err.worker_exit_code if err.worker_exit_code is not None else "n/a",
                               "last_lines": dg.MetadataValue.md("```\n" + "\n".join(err.tail[-20:]) + "\n```")},

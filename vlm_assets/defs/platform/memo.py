@@ -1,7 +1,8 @@
 """Memoized materialization: skip an asset whose artifact for the same inputs is already complete.
 
-Dagster re-runs every asset of a job. Here each asset computes a cache key from its code version, its
-resolved config and its upstream data versions (``vlm_assets.memo.cache_key``); if the artifact store
+Dagster re-runs every asset of a job. Here each asset computes a cache key from its code version, the
+identity fields of its config (not the run fields: timeouts, topology, cadence, retention; see
+``vlm_assets.train.run_config``) and its upstream data versions (``vlm_assets.memo.cache_key``); if the artifact store
 holds a complete artifact under ``<asset>/<key>``, that artifact is returned at once with
 ``cache: hit`` and the same data version. Otherwise the asset builds it in a staging directory inside
 an MLflow run and commits it atomically: a failure leaves the key empty and the run FAILED.
@@ -15,17 +16,30 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import pydantic
 
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.memo import cache_key
 from vlm_assets.storage import ArtifactRef, ArtifactStore
+from vlm_assets.train.run_config import Settings, describe_validation_error
 
 
-class ValidatedConfig(dg.Config):
-    """Config whose ``check_values`` raises ``ValueError`` naming the offending field."""
+class AssetConfig(Settings, dg.Config):
+    """An asset's config: identity fields (the cache key) and run fields (``run_field``: metadata only).
+
+    Constraints live on the fields and in pydantic validators; a value that cannot be honoured fails
+    the step at once, naming the field, without retries (Dagster would otherwise retry a config
+    error under the asset's RetryPolicy: it cannot get better)."""
+
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except pydantic.ValidationError as err:
+            raise dg.Failure(description=describe_validation_error(err, f"config of {type(self).__name__}"),
+                             allow_retries=False) from None
 
     def check_values(self) -> None:
-        """Cross-field checks pydantic types cannot express; override per asset."""
+        """Checks that need the outside world (files, directories); override per asset."""
 
 
 @contextlib.contextmanager
@@ -52,7 +66,7 @@ def artifact_key(context: dg.AssetExecutionContext, config: dg.Config, upstream:
     name = context.asset_key.to_user_string()
     code_version = context.assets_def.code_versions_by_key[context.asset_key] or ""
     versions = {k: ref.data_version for k, ref in upstream.items()}
-    return f"{name}/{cache_key(name, code_version, config.model_dump(), versions)}"
+    return f"{name}/{cache_key(name, code_version, config.identity(), versions)}"
 
 
 def materialize_memoized(
@@ -60,7 +74,7 @@ def materialize_memoized(
     *,
     store: ArtifactStore,
     mlflow: MlflowTrackingResource,
-    config: ValidatedConfig,
+    config: AssetConfig,
     build: Callable[[Path, TrackedRun], Built],
     upstream: Mapping[str, ArtifactRef] | None = None,
 ) -> dg.Output[ArtifactRef]:
@@ -73,7 +87,7 @@ def _materialize(
     context: dg.AssetExecutionContext,
     store: ArtifactStore,
     mlflow: MlflowTrackingResource,
-    config: ValidatedConfig,
+    config: AssetConfig,
     build: Callable[[Path, TrackedRun], Built],
     upstream: Mapping[str, ArtifactRef],
 ) -> dg.Output[ArtifactRef]:
@@ -82,30 +96,31 @@ def _materialize(
     if store.exists(key):
         ref = store.ref(key)
         context.log.info(f"cache hit: {ref.uri} (data version {ref.data_version})")
-        return _output(ref, "hit", time.perf_counter() - started)
+        return _output(ref, "hit", time.perf_counter() - started, config)
 
     name = context.asset_key.to_user_string()
     tags = {"dagster.run_id": context.run.run_id, "dagster.asset": name, "vlm_assets.cache_key": key}
     with mlflow.start_run(run_name=name, tags=tags) as run:
-        run.log_params(config.model_dump())
+        run.log_params(config.model_dump(mode="json"))
         with store.staging_dir(key) as staging:
             built = build(staging, run)
             run.log_metrics(built.metrics)
             ref = store.commit(key, staging, metadata={
-                "metrics": built.metrics, "metadata": built.metadata, "markdown": built.markdown, "config": config.model_dump(),
+                "metrics": built.metrics, "metadata": built.metadata, "markdown": built.markdown, "config": config.identity(),
                 "mlflow_run_id": run.run_id, "upstream": {k: r.data_version for k, r in upstream.items()},
             })
     context.log.info(f"committed {ref.uri} (data version {ref.data_version})")
-    return _output(ref, "miss", time.perf_counter() - started)
+    return _output(ref, "miss", time.perf_counter() - started, config)
 
 
-def _output(ref: ArtifactRef, cache: str, seconds: float) -> dg.Output[ArtifactRef]:
+def _output(ref: ArtifactRef, cache: str, seconds: float, config: AssetConfig) -> dg.Output[ArtifactRef]:
     metadata: dict[str, Any] = {
         "cache": cache,
         "cache_key": ref.key,
         "uri": dg.MetadataValue.path(ref.uri),
         "mlflow_run_id": ref.metadata["mlflow_run_id"],
         "seconds": round(seconds, 3),
+        **({"run_settings": dg.MetadataValue.json(run)} if (run := config.run_settings()) else {}),
         **ref.metadata["metrics"],
         **ref.metadata["metadata"],
         **{k: dg.MetadataValue.md(v) for k, v in ref.metadata["markdown"].items()},
