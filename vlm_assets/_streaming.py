@@ -19,7 +19,7 @@ from streaming.base.util import clean_stale_shared_memory  # noqa: E402
 
 __all__ = ["LocalDataset", "MDSWriter", "StreamingDataset", "clean_stale_shared_memory", "streaming", "streaming_dataset"]
 
-SHARED_HOST_ENV = "VLM_ASSETS_NODES_SHARE_HOST"
+from vlm_assets.launch.spec import SHARED_HOST_ENV  # noqa: E402
 
 
 def streaming_dataset(**kwargs) -> StreamingDataset:

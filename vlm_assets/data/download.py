@@ -7,10 +7,12 @@ import os
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
-from tqdm.auto import tqdm
+from vlm_assets.progress import report_progress
+
 
 _CHUNK = 1 << 20
 
@@ -27,7 +29,7 @@ def md5_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch(uri: str, cache_dir: Path, md5: str | None = None) -> Path:
+def fetch(uri: str, cache_dir: Path, md5: str | None = None, log: Callable[[str], None] | None = None) -> Path:
     """Return a local path for ``uri`` (a URL or a local path), downloading a URL once.
 
     Downloads land in ``cache_dir/<md5 of the url's folder>/<file name>`` via a temporary file, so an interrupted
@@ -57,13 +59,11 @@ def fetch(uri: str, cache_dir: Path, md5: str | None = None) -> Path:
                 response = urllib.request.urlopen(uri, timeout=60)
             except (urllib.error.URLError, OSError) as err:
                 raise ValueError(f"cannot download {uri}: {err}") from err
-            with response, tqdm(
-                total=int(response.headers.get("Content-Length") or 0) or None,
-                unit="B", unit_scale=True, desc=f"download {name}",
-            ) as bar:
-                while chunk := response.read(_CHUNK):
+            with response:
+                chunks = iter(lambda: response.read(_CHUNK), b"")
+                for chunk in report_progress(chunks, f"download {name}", log, unit="bytes", size=len,
+                                             total=int(response.headers.get("Content-Length") or 0) or None):
                     out.write(chunk)
-                    bar.update(len(chunk))
         if md5 and (actual := md5_file(tmp)) != md5:
             raise ValueError(f"{uri}: downloaded file has md5 {actual}, expected {md5} (corrupt or truncated)")
         os.replace(tmp, target)

@@ -2,23 +2,52 @@
 
 from __future__ import annotations
 
+import io
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch.utils.data import Dataset
 
 from vlm_assets.data.occlusion import ManifestImages, read_manifest
 
 
-class OcclusionDataset(Dataset):
-    """Rows of ``<root>/<split>.jsonl`` as float tensors at ``image_size`` x ``image_size``.
+def decode_png(data: bytes) -> np.ndarray:
+    """PNG (or any Pillow-readable) bytes -> (H, W, 3) uint8 RGB."""
+    with Image.open(io.BytesIO(data)) as image:
+        return np.asarray(image.convert("RGB"), dtype=np.uint8)
 
-    Each item is ``(occluded, clean, mask, label_index)``: ``clean`` and ``occluded`` are (3, S, S) in
-    [0, 1] (grey sources are repeated to RGB), ``mask`` is (1, S, S) with 1 inside the box, and
-    ``occluded = clean * (1 - mask)``. Resizing is bilinear for pixels, nearest for the mask.
+
+def preprocess(image: np.ndarray, box: Sequence[int], image_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one preprocessing of training, evaluation and serving: (H, W, C) uint8 + a box in image
+    pixels -> ``(occluded, clean, mask)`` at ``image_size`` x ``image_size``.
+
+    The clean image is resized first (bilinear, antialiased), the mask nearest, and the box is blacked
+    out after resizing, so its edges stay sharp (occluding first and resizing would blur them).
+    ``clean`` and ``occluded`` are (3, S, S) in [0, 1] (grey is repeated to RGB), ``mask`` (1, S, S).
     """
+    clean = torch.from_numpy(np.array(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+    if clean.shape[0] == 1:
+        clean = clean.expand(3, -1, -1)
+    height, width = clean.shape[1:]
+    x0, y0, x1, y1 = (int(v) for v in box)
+    if not (0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height):
+        raise ValueError(f"box {[x0, y0, x1, y1]} is not inside the {width}x{height} image")
+    mask = torch.zeros(1, height, width)
+    mask[:, y0:y1, x0:x1] = 1.0
+    size = (image_size, image_size)
+    if (height, width) != size:
+        clean = F.interpolate(clean[None], size=size, mode="bilinear", align_corners=False, antialias=True)[0]
+        clean = clean.clamp_(0.0, 1.0)
+        mask = F.interpolate(mask[None], size=size, mode="nearest")[0]
+    return clean * (1.0 - mask), clean, mask
+
+
+class OcclusionDataset(Dataset):
+    """Rows of ``<root>/<split>.jsonl`` as ``(occluded, clean, mask, label_index)`` through ``preprocess``."""
 
     def __init__(self, root: str | Path, split: str, image_size: int):
         if image_size < 1:
@@ -36,16 +65,6 @@ class OcclusionDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         row = self.rows[i]
-        image = self.images.get(row, where=f"{self.manifest}:{i + 1}")
-        clean = torch.from_numpy(np.array(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
-        if clean.shape[0] == 1:
-            clean = clean.expand(3, -1, -1)
-        x0, y0, x1, y1 = row["box"]
-        mask = torch.zeros(1, *clean.shape[1:])
-        mask[:, y0:y1, x0:x1] = 1.0
-        size = (self.image_size, self.image_size)
-        if clean.shape[1:] != size:
-            clean = F.interpolate(clean[None], size=size, mode="bilinear", align_corners=False, antialias=True)[0]
-            clean = clean.clamp_(0.0, 1.0)
-            mask = F.interpolate(mask[None], size=size, mode="nearest")[0]
-        return clean * (1.0 - mask), clean, mask, row["label_index"]
+        occluded, clean, mask = preprocess(self.images.get(row, where=f"{self.manifest}:{i + 1}"), row["box"],
+                                           self.image_size)
+        return occluded, clean, mask, row["label_index"]

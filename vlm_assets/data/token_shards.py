@@ -18,14 +18,14 @@ from __future__ import annotations
 import glob
 import itertools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from vlm_assets._streaming import MDSWriter
+from vlm_assets.progress import report_progress
 
 COLUMNS = {"input_ids": "ndarray:int32", "labels": "ndarray:int32"}
 _TOKENIZE_BATCH = 512
@@ -106,10 +106,11 @@ def pack_blocks(tokenizer, documents: Iterable[str], max_length: int, max_sample
         buffer = buffer[num_blocks * max_length:]
 
 
-def write_split(out_dir: Path, blocks: Iterable[np.ndarray], size_limit: int | str, desc: str) -> dict[str, int]:
+def write_split(out_dir: Path, blocks: Iterable[np.ndarray], size_limit: int | str, desc: str,
+                log: Callable[[str], None] | None = None) -> dict[str, int]:
     num_samples = 0
     with MDSWriter(out=str(out_dir), columns=COLUMNS, size_limit=size_limit) as writer:
-        for block in tqdm(blocks, desc=desc, unit=" blocks"):
+        for block in report_progress(blocks, desc, log, unit="blocks"):
             writer.write({"input_ids": block, "labels": block})
             num_samples += 1
     if num_samples == 0:
@@ -129,6 +130,7 @@ def write_token_shards(
     max_train_samples: int | None,
     max_val_samples: int | None,
     size_limit: int | str,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Tokenize, pack and write both splits into ``out_dir``; returns the ``tokens.json`` summary."""
     if max_length < 2:
@@ -139,7 +141,7 @@ def write_token_shards(
     }
     for split, docs, limit in (("train", train_docs, max_train_samples), ("val", val_docs, max_val_samples)):
         stats = write_split(out_dir / split, pack_blocks(tokenizer, docs, max_length, limit), size_limit,
-                            desc=f"{split} shards")
+                            desc=f"{split} shards", log=log)
         summary["splits"][split] = {**stats, "num_tokens": stats["num_samples"] * max_length}
     tokenizer.save_pretrained(out_dir / "tokenizer")
     (out_dir / "tokens.json").write_text(json.dumps(summary, indent=1))

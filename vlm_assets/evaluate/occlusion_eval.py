@@ -7,13 +7,14 @@ appears among the predicted words).
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from vlm_assets.models.frozen_vlm import FrozenVLM, normalize_answer
 from vlm_assets.models.occlusion_adapter import OcclusionAdapter
+from vlm_assets.progress import report_progress
 
 CONDITIONS = ("adapter", "identity", "clean")
 
@@ -67,12 +68,15 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(backbone: FrozenVLM, adapter: OcclusionAdapter, dataset, class_names: list[str], *,
-             count: int | None = None, batch_size: int = 16, max_new_tokens: int = 8) -> EvalResult:
+             count: int | None = None, batch_size: int = 16, max_new_tokens: int = 8,
+             log: Callable[[str], None] | None = None) -> EvalResult:
     """``dataset`` yields dicts with occluded, clean, mask, label_index, prompt (``OcclusionSamples``)."""
     total = len(dataset) if count is None else min(count, len(dataset))
     adapter.eval()
     labels, predictions = [], {c: [] for c in CONDITIONS}
-    for start in tqdm(range(0, total, batch_size), desc="eval batches", leave=False):
+    starts = range(0, total, batch_size)
+    for start in report_progress(starts, "eval", log, total=total, unit="images",
+                                 size=lambda s: min(batch_size, total - s)):
         items = [dataset[i] for i in range(start, min(start + batch_size, total))]
         occluded = torch.stack([it["occluded"] for it in items])
         mask = torch.stack([it["mask"] for it in items])

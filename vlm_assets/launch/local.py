@@ -22,8 +22,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from vlm_assets._streaming import SHARED_HOST_ENV
-from vlm_assets.launch.spec import LaunchSpec
+from vlm_assets.launch.spec import SHARED_HOST_ENV, LaunchSpec
 
 _TAIL_LINES = 40
 _GRACE_S = 15.0

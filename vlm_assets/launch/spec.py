@@ -3,6 +3,9 @@
 import dataclasses
 import re
 
+# Set by a launcher whose "nodes" share one host (vlm_assets._streaming reads it).
+SHARED_HOST_ENV = "VLM_ASSETS_NODES_SHARE_HOST"
+
 
 @dataclasses.dataclass(frozen=True)
 class LaunchSpec:

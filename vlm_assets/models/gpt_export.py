@@ -62,6 +62,6 @@ def hf_loss(export_dir: Path, batch: dict[str, torch.Tensor]) -> float:
     """Mean next-token loss of a Hugging Face export on a batch (fp32, eval mode)."""
     from transformers import GPT2LMHeadModel
 
-    model = GPT2LMHeadModel.from_pretrained(export_dir, torch_dtype=torch.float32).eval()
+    model = GPT2LMHeadModel.from_pretrained(export_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return float(model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)

@@ -134,7 +134,7 @@ def train(config: AdapterTrainConfig, paths: RunPaths, rank: int, reporter: Repo
                                                       "resumed_from_epoch": history.resumed_from_epoch}))
         last = history.epochs[-1]
         reporter.materialization({**{k.replace("/", "_"): v for k, v in last.items()},
-                                  "gate": float(module.adapter.gate), "epochs": config.epochs,
+                                  "gate": float(module.adapter.gate.detach()), "epochs": config.epochs,
                                   "resumed_from_epoch": -1 if history.resumed_from_epoch is None else history.resumed_from_epoch})
     trainer.strategy.barrier("adapter written")
 

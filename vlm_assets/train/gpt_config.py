@@ -5,7 +5,7 @@ from typing import Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
-from vlm_assets.models.gpt import PRESETS
+from vlm_assets.models.gpt_presets import PRESETS
 from vlm_assets.train.run_config import RunConfig, run_field
 
 

@@ -108,8 +108,66 @@ def test_champion_loads_and_predicts(pipeline, offline_data):
 def test_rerun_is_all_cache_hits(pipeline, offline_data):
     env, _ = pipeline
     again = env.materialize(run_config(offline_data))
-    for asset in ("occlusion_manifests", "occlusion_adapter", "eval_report", "registered_adapter"):
+    for asset in ("occlusion_manifests", "occlusion_adapter", "eval_report"):
         assert meta(again, asset)["cache"] == "hit", asset
+    assert meta(again, "registered_adapter")["registry"] == "already current"
+
+
+def test_registry_is_the_truth_alias_mended_and_no_second_version(pipeline, offline_data):
+    env, first = pipeline
+    client = mlflow.MlflowClient(env.uri)
+    versions = client.search_model_versions("name = 'occlusion_adapter'")
+    champion = client.get_model_version_by_alias("occlusion_adapter", "champion")
+    assert champion.tags["weights_sha256"] == meta(first, "registered_adapter")["weights_sha256"]
+    client.delete_registered_model_alias("occlusion_adapter", "champion")  # moved away by hand
+    again = env.materialize(run_config(offline_data))
+    assert meta(again, "registered_adapter")["registry"] == "alias moved"
+    assert client.get_model_version_by_alias("occlusion_adapter", "champion").version == champion.version
+    assert len(client.search_model_versions("name = 'occlusion_adapter'")) == len(versions)
+
+    # A registry that was reset (here: a new MLflow store beside the same artifacts): everything else
+    # is a cache hit, and the adapter is registered again there.
+    fresh = IsolatedEnv(env.root, GRAPH, f"sqlite:///{env.root / 'fresh-mlflow.db'}")
+    reset = fresh.materialize(run_config(offline_data))
+    assert meta(reset, "occlusion_adapter")["cache"] == "hit" and meta(reset, "registered_adapter")["registry"] == "registered"
+    assert mlflow.MlflowClient(fresh.uri).get_model_version_by_alias("occlusion_adapter", "champion").version == "1"
+
+
+def test_registered_model_predicts_what_eval_report_predicted(pipeline):
+    """Train/serve parity: the registry's model, fed the validation rows as PNG + box, gives exactly the
+    answers eval_report gave for the same rows (one preprocessing for both)."""
+    from vlm_assets.data.occlusion import ManifestImages, read_manifest
+    from vlm_assets.models.adapter_pyfunc import png_b64
+
+    env, first = pipeline
+    manifests = env.store.local_path(meta(first, "occlusion_manifests")["cache_key"])
+    evaluated = [json.loads(line) for line in (Path(meta(first, "eval_report")["uri"]) / "predictions.jsonl").read_text().splitlines()]
+    rows = read_manifest(manifests / "validation.jsonl")[: len(evaluated)]
+    images = ManifestImages(manifests)
+    frame = pd.DataFrame({"image": [png_b64(images.get(r)) for r in rows], "box": [r["box"] for r in rows]})
+    mlflow.set_tracking_uri(env.uri)
+    info = mlflow.models.get_model_info("models:/occlusion_adapter@champion")
+    assert info.signature.inputs.input_names() == ["image", "box"] and info.signature.outputs.input_names() == ["label"]
+    served = mlflow.pyfunc.load_model("models:/occlusion_adapter@champion").predict(frame)
+    assert len(served) == len(evaluated) == 200
+    assert served == [e["adapter"].strip() for e in evaluated]
+
+
+def test_unreachable_registry_fails_naming_the_uri(pipeline, monkeypatch):
+    import dagster as dg
+
+    from vlm_assets.defs.models.eval_assets import RegisteredAdapterConfig
+    from vlm_assets.defs.platform.tracking import MlflowTrackingResource
+    from vlm_assets_tests.conftest import free_port
+
+    env, first = pipeline
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    uri = f"http://127.0.0.1:{free_port()}"
+    (key,) = env.store.list_complete("occlusion_adapter")
+    with pytest.raises(dg.Failure, match=f"MLflow at {uri} could not be reached"):
+        registered_adapter(dg.build_asset_context(), config=RegisteredAdapterConfig(), occlusion_adapter=env.store.ref(key),
+                           artifact_store=env.resources["artifact_store"], mlflow=MlflowTrackingResource(tracking_uri=uri))
 
 
 def test_raised_threshold_reruns_the_check_only_and_blocks_registration(pipeline, offline_data):

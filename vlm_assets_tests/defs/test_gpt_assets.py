@@ -172,3 +172,50 @@ def test_bad_config_fails_at_once_naming_the_field(tmp_path, offline_data, mlflo
     failure = result.get_step_failure_events()
     assert not result.success and len(failure) == 1
     assert "global_batch_size 7 is not a multiple of" in failure[0].step_failure_data.user_failure_data.description
+
+
+def test_threshold_change_reruns_the_check_not_the_training(ddp_run, offline_data):
+    env, _, meta, _, _ = ddp_run
+    config = run_config(offline_data)
+    config["ops"]["gpt_checkpoint_val_loss_beats_uniform"] = {"config": {"min_val_loss_gain": 10.0}}
+    result = env.materialize(config, raise_on_error=False)
+    again, checks = outcome(result)
+    assert again["cache"] == "hit" and again["cache_key"] == meta["cache_key"]
+    assert checks["val_loss_beats_uniform"] is False  # 10 nats below ln V is out of reach
+
+
+def test_timeout_then_a_longer_timeout_resumes_from_the_last_checkpoint(ddp_run, tmp_path, offline_data, mlflow_uri):
+    """The job is frozen (SIGSTOP) right after its first checkpoint, so the launcher's timeout fires at a
+    known step; the rerun with a raised timeout_s has the same key and resumes there."""
+    env = Env(tmp_path, mlflow_uri)
+    frozen = {}
+
+    def freeze_after_first_checkpoint():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            committed = sorted(env.root.glob("artifacts/checkpoints/gpt_checkpoint/*/step-*/_COMPLETE.json"))
+            if committed and (pids := _workers(str(tmp_path))):
+                frozen["step"] = int(committed[-1].parent.name.split("-")[1])
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+                return
+            time.sleep(0.05)
+
+    freezer = threading.Thread(target=freeze_after_first_checkpoint)
+    freezer.start()
+    first = env.materialize(run_config(offline_data, timeout_s=60), raise_on_error=False)
+    freezer.join()
+    assert frozen, "the job was never frozen after a checkpoint"
+    assert not first.success
+    failures = first.get_step_failure_events()
+    assert len(failures) == 1  # a timeout is not retried under the same limit
+    assert "Raise timeout_s and rerun" in failures[0].step_failure_data.user_failure_data.description
+    assert not _workers(str(tmp_path)), "a frozen worker outlived the timeout"
+
+    meta, checks = outcome(env.materialize(run_config(offline_data, timeout_s=600)))
+    assert meta["cache_key"] == ddp_run[2]["cache_key"]  # timeout_s is a run field, not identity
+    assert meta["resumed_from_step"] == frozen["step"] and meta["steps"] == MAX_STEPS and all(checks.values())
+    assert json.loads(meta["run_settings"] if isinstance(meta["run_settings"], str) else json.dumps(meta["run_settings"]))["timeout_s"] == 600
+    resumed = json.loads((Path(meta["uri"]) / "history.json").read_text())
+    assert resumed["train"][-1]["loss"] == pytest.approx(ddp_run[4]["train"][-1]["loss"], abs=1e-5)
+    assert resumed["val"][-1]["loss"] == pytest.approx(ddp_run[4]["val"][-1]["loss"], abs=1e-5)

@@ -78,11 +78,11 @@ def load_source(config: OcclusionManifestsConfig, log) -> ImageSource:
     if config.source == "cifar10":
         uri = config.source_uri or CIFAR10_URL
         md5 = config.source_md5 or (CIFAR10_MD5 if uri == CIFAR10_URL else None)
-        return load_cifar10_tarball(fetch(uri, downloads, md5=md5))
+        return load_cifar10_tarball(fetch(uri, downloads, md5=md5, log=log))
     if config.source == "fashion_mnist":
         uri = config.source_uri or FASHION_MNIST_URL
         if uri.startswith(("http://", "https://")):
-            files = [fetch(uri.rstrip("/") + "/" + name, downloads) for name in fashion_mnist_files()]
+            files = [fetch(uri.rstrip("/") + "/" + name, downloads, log=log) for name in fashion_mnist_files()]
             return load_fashion_mnist(files[0].parent)
         return load_fashion_mnist(fetch(uri, downloads))
     return load_image_folder(fetch(config.source_uri, downloads), resize_to=config.resize_to,

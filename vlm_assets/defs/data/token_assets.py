@@ -6,14 +6,6 @@ from typing import Literal, Self
 import dagster as dg
 from pydantic import Field, model_validator
 
-from vlm_assets.data import token_checks
-from vlm_assets.data.token_shards import (
-    hf_documents,
-    load_gpt2_tokenizer,
-    paragraphs_of_files,
-    split_documents,
-    write_token_shards,
-)
 from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
@@ -62,6 +54,14 @@ def token_shards(
     ``labels`` as int32) plus the tokenizer. Stream it back with
     ``vlm_assets.data.token_stream.build_token_dataloaders``."""
     def build(staging: Path, run: TrackedRun) -> Built:
+        from vlm_assets.data.token_shards import (
+            hf_documents,
+            load_gpt2_tokenizer,
+            paragraphs_of_files,
+            split_documents,
+            write_token_shards,
+        )
+
         tokenizer = load_gpt2_tokenizer(config.tokenizer)
         if config.source == "text_files":
             train_docs, val_docs = split_documents(paragraphs_of_files(config.text_glob), config.val_fraction, config.seed)
@@ -71,7 +71,7 @@ def token_shards(
         summary = write_token_shards(
             staging, tokenizer, config.tokenizer, train_docs, val_docs, max_length=config.max_length,
             max_train_samples=config.max_train_samples, max_val_samples=config.max_val_samples,
-            size_limit=config.shard_size_limit,
+            size_limit=config.shard_size_limit, log=context.log.info,
         )
         splits = summary["splits"]
         return Built(
@@ -82,23 +82,29 @@ def token_shards(
     return materialize_memoized(context, store=artifact_store.get_store(), mlflow=mlflow, config=config, build=build)
 
 
-def _outcome(result: token_checks.CheckOutcome) -> dg.AssetCheckResult:
+def _outcome(result) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(passed=result.passed, description=result.description, metadata=result.metadata)
 
 
 @dg.asset_check(asset=token_shards, blocking=True)
 def token_ids_within_vocab(token_shards: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
     """Every token id of every sample is in [0, vocab_size)."""
+    from vlm_assets.data import token_checks
+
     return _outcome(token_checks.ids_within_vocab(artifact_store.get_store().local_path(token_shards.key)))
 
 
 @dg.asset_check(asset=token_shards, blocking=True)
 def token_counts_match_summary(token_shards: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
     """Sample and token counts (and block lengths) in the shards equal what tokens.json reports."""
+    from vlm_assets.data import token_checks
+
     return _outcome(token_checks.counts_match(artifact_store.get_store().local_path(token_shards.key)))
 
 
 @dg.asset_check(asset=token_shards, blocking=True)
 def every_shard_readable(token_shards: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
     """Every MDS shard of both splits opens and every sample decodes."""
+    from vlm_assets.data import token_checks
+
     return _outcome(token_checks.shards_readable(artifact_store.get_store().local_path(token_shards.key)))

@@ -7,8 +7,6 @@ import tempfile
 from pathlib import Path
 
 import dagster as dg
-import torch
-from safetensors.torch import load_file
 
 from vlm_assets.defs.platform.launcher import TrainingLauncher
 from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized
@@ -18,9 +16,7 @@ from vlm_assets.launch import LaunchSpec
 from vlm_assets.memo import cache_key
 from vlm_assets.paths import runs_dir
 from vlm_assets.storage import ArtifactRef, ArtifactStore
-from vlm_assets.models.frozen_vlm import check_prompt_lengths
 from vlm_assets.train.adapter_config import TINY_CLEAN, AdapterTrainConfig
-from vlm_assets.train.adapter_module import OcclusionSamples
 from vlm_assets.train.run_config import RunPaths, write_run_file
 
 
@@ -34,6 +30,8 @@ class OcclusionAdapterConfig(AdapterTrainConfig, AssetConfig):
 
 def preflight(config: OcclusionAdapterConfig, manifests: Path) -> None:
     """Bad rows fail the step at once (no retries), naming the manifest line."""
+    from vlm_assets.train.adapter_module import OcclusionSamples
+
     for split, limit in (("train", config.num_train), ("validation", config.num_validation)):
         OcclusionSamples(manifests, split, config.image_size, limit).check_images()
 
@@ -75,6 +73,9 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
     store = artifact_store.get_store()
 
     def build(staging: Path, run: TrackedRun) -> Built:
+        from vlm_assets.models.frozen_vlm import check_prompt_lengths
+        from vlm_assets.train.adapter_module import OcclusionSamples
+
         manifests = store.local_path(occlusion_manifests.key)
         preflight(config, manifests)
         backbone = resolve_backbone(config, store, occlusion_manifests, context.log.info)
@@ -115,6 +116,7 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
 
 def partial_from_checkpoint(store: ArtifactStore, prefix: str, staging: Path) -> dict:
     """The adapter weights and history of the newest intact recovery checkpoint, written like a result."""
+    import torch
     from safetensors.torch import save_file
 
     from vlm_assets.train.checkpoints import latest_checkpoint
@@ -144,6 +146,9 @@ def adapter_training_complete(occlusion_adapter: ArtifactRef) -> dg.AssetCheckRe
 @dg.asset_check(asset=occlusion_adapter, blocking=True)
 def adapter_weights_finite(occlusion_adapter: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
     """The gate and every adapter weight are finite."""
+    import torch
+    from safetensors.torch import load_file
+
     weights = load_file(str(artifact_store.get_store().local_path(occlusion_adapter.key) / "adapter.safetensors"))
     bad = [name for name, t in weights.items() if not torch.isfinite(t).all()]
     return dg.AssetCheckResult(passed=not bad, description=f"non-finite: {bad}" if bad else "all finite",

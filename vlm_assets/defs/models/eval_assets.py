@@ -5,9 +5,7 @@ import json
 from pathlib import Path
 
 import dagster as dg
-import torch
 from pydantic import Field
-from safetensors.torch import load_file
 
 from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
@@ -27,6 +25,8 @@ class AccuracyCheckConfig(dg.Config):
 
 
 def load_trained(store, adapter_ref: ArtifactRef):
+    from safetensors.torch import load_file
+
     from vlm_assets.models.frozen_vlm import QwenVLBackbone
     from vlm_assets.models.occlusion_adapter import OcclusionAdapter
 
@@ -45,6 +45,8 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, occ
     """Greedy decoding on the validation split: exact-match (and the seed's lenient) accuracy with the
     adapter, without it (identity) on the same occluded images, and on the clean images; per-class
     accuracy, confusion matrix, and ``report.html`` (self-contained: curves, tables, prediction cards)."""
+    import torch
+
     from vlm_assets.evaluate.occlusion_eval import evaluate
     from vlm_assets.evaluate.report import accuracy_png, data_uri, html_report, markdown_table
     from vlm_assets.train.adapter_module import OcclusionSamples, class_names
@@ -57,7 +59,7 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, occ
         manifests = store.local_path(occlusion_manifests.key)
         data = OcclusionSamples(manifests, "validation", info["image_size"], None)
         result = evaluate(backbone, adapter, data, class_names(manifests), count=config.num_samples,
-                          batch_size=config.batch_size)
+                          batch_size=config.batch_size, log=context.log.info)
         summary = result.summary()
         cards = []
         with torch.no_grad():
@@ -98,40 +100,67 @@ def adapter_gain_non_negative(eval_report: ArtifactRef) -> dg.AssetCheckResult:
 
 
 class RegisteredAdapterConfig(AssetConfig):
-    model_name: str = Field(default="occlusion_adapter", description="MLflow registered model name.")
-    alias: str = Field(default="champion", description="Alias moved to the new version.")
+    model_name: str = Field(default="occlusion_adapter", min_length=1, description="MLflow registered model name.")
+    alias: str = Field(default="champion", min_length=1, description="Alias pointed at this adapter's version.")
 
 
-@dg.asset(code_version="1", kinds={"mlflow"}, group_name="models", deps=[eval_report])
+@dg.asset(code_version="2", kinds={"mlflow"}, group_name="models", deps=[eval_report],
+          retry_policy=dg.RetryPolicy(max_retries=2, delay=5))
 def registered_adapter(context: dg.AssetExecutionContext, config: RegisteredAdapterConfig,
                        occlusion_adapter: ArtifactRef, artifact_store: ArtifactStoreResource,
-                       mlflow: MlflowTrackingResource) -> dg.Output[ArtifactRef]:
-    """The adapter as an MLflow pyfunc model (image + box -> label; adapter weights as safetensors, the
-    backbone recorded) in the Model Registry, with ``champion`` moved to it. Downstream of the blocking
-    eval checks: it never runs when they fail. Load it with ``mlflow.pyfunc.load_model('models:/<name>@champion')``."""
-    import mlflow as mlflow_lib
+                       mlflow: MlflowTrackingResource) -> dg.MaterializeResult:
+    """The adapter as an MLflow pyfunc model (PNG + box -> label; models-from-code, safetensors weights,
+    the backbone recorded, a signature and an input example) in the Model Registry, with ``alias``
+    pointed at it. The registry, not a local cache, decides: a version is found by its weights' sha256,
+    so the same weights never make a second version and a reset registry or a hand-moved alias is
+    mended on the next run. Downstream of the blocking eval checks: it never runs when they fail.
+    Load it with ``mlflow.pyfunc.load_model('models:/<name>@<alias>')``."""
+    from vlm_assets.models.adapter_pyfunc import DESCRIPTION
+    from vlm_assets.models.registry import register_once
 
-    from vlm_assets.models.adapter_pyfunc import OcclusionAdapterPredictor
-
-    upstream = {"occlusion_adapter": occlusion_adapter}
     store = artifact_store.get_store()
+    weights_sha = store.read_manifest(occlusion_adapter.key).files["adapter.safetensors"]["sha256"]
 
-    def build(staging: Path, run: TrackedRun) -> Built:
-        root = store.local_path(occlusion_adapter.key)
-        mlflow_lib.set_tracking_uri(mlflow.tracking_uri)
-        mlflow_lib.set_registry_uri(mlflow.tracking_uri)
-        with mlflow_lib.start_run(run_id=run.run_id):
-            info = mlflow_lib.pyfunc.log_model(
-                name="model", python_model=OcclusionAdapterPredictor(),
-                artifacts={"adapter": str(root / "adapter.safetensors"), "backbone": str(root / "backbone.json")},
-                registered_model_name=config.model_name)
-        client = mlflow.client()
-        version = info.registered_model_version
-        client.set_registered_model_alias(config.model_name, config.alias, version)
-        (staging / "registration.json").write_text(json.dumps({"name": config.model_name, "version": version,
-                                                               "alias": config.alias, "model_uri": info.model_uri}))
-        context.log.info(f"registered {config.model_name} v{version}, alias {config.alias} -> v{version}")
-        return Built(metrics={"version": float(version)},
-                     metadata={"model": f"models:/{config.model_name}@{config.alias}", "model_version": str(version)})
+    def log_model() -> str:
+        tags = {"dagster.run_id": context.run.run_id, "dagster.asset": "registered_adapter"}
+        with mlflow.start_run(run_name="registered_adapter", tags=tags) as run:
+            return log_adapter_model(run, store.local_path(occlusion_adapter.key), mlflow.tracking_uri)
 
-    return materialize_memoized(context, store=store, mlflow=mlflow, config=config, build=build, upstream=upstream)
+    with mlflow.registry_errors():
+        entry = register_once(mlflow.client(), config.model_name, config.alias, weights_sha, log_model, DESCRIPTION)
+    context.log.info(f"{entry.name}@{entry.alias} -> v{entry.version} ({entry.action})")
+    return dg.MaterializeResult(metadata={
+        "model": f"models:/{entry.name}@{entry.alias}", "model_version": entry.version, "registry": entry.action,
+        "weights_sha256": weights_sha, "registry_uri": mlflow.tracking_uri})
+
+
+def log_adapter_model(run: TrackedRun, root: Path, tracking_uri: str) -> str:
+    """Log the pyfunc into ``run`` with MLflow's models-from-code; returns the model URI."""
+    import mlflow as mlflow_lib
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, Schema
+
+    from vlm_assets.models import adapter_pyfunc
+
+    info = json.loads((root / "backbone.json").read_text())
+    signature = ModelSignature(inputs=Schema([ColSpec("string", "image"), ColSpec(Array("long"), "box")]),
+                               outputs=Schema([ColSpec("string", "label")]))
+    example = _input_example(info)
+    mlflow_lib.set_tracking_uri(tracking_uri)
+    with mlflow_lib.start_run(run_id=run.run_id):
+        logged = mlflow_lib.pyfunc.log_model(
+            name="model", python_model=str(Path(adapter_pyfunc.__file__).with_name("adapter_model.py")), signature=signature, input_example=example,
+            artifacts={"adapter": str(root / "adapter.safetensors"), "backbone": str(root / "backbone.json")})
+    return logged.model_uri
+
+
+def _input_example(info: dict):
+    """One occluded-looking request: a mid-grey PNG at the training size with a box in its middle."""
+    import numpy as np
+    import pandas as pd
+
+    from vlm_assets.models.adapter_pyfunc import png_b64
+
+    side = info["image_size"]
+    return pd.DataFrame({"image": [png_b64(np.full((side, side, 3), 128, np.uint8))],
+                         "box": [[side // 4, side // 4, side // 2, side // 2]]})

@@ -17,17 +17,14 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from vlm_assets.data.token_stream import reference_batch
 from vlm_assets.defs.platform.launcher import TrainingLauncher
 from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.launch import LaunchSpec
-from vlm_assets.models.gpt_export import hf_loss
 from vlm_assets.paths import runs_dir
 from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.gpt_config import PretrainConfig
-from vlm_assets.train.plots import loss_curve_png
 from vlm_assets.train.run_config import RunPaths, write_run_file
 
 TRAINER_MODULE = "vlm_assets.train.gpt_pretrain"
@@ -73,6 +70,8 @@ def gpt_checkpoint(
             shutil.rmtree(work, ignore_errors=True)
 
     def _train(work: Path, staging: Path, run: TrackedRun) -> Built:
+        from vlm_assets.train.plots import loss_curve_png
+
         paths = RunPaths(inputs={"token_shards": token_shards.uri}, out_dir=str(staging), cache_dir=str(work),
                          checkpoint_store=artifact_store.spec(), checkpoint_prefix=f"checkpoints/{key}",
                          mlflow_tracking_uri=mlflow.tracking_uri, mlflow_run_id=run.run_id)
@@ -118,6 +117,9 @@ def export_reproduces_val_loss(gpt_checkpoint: ArtifactRef, token_shards: Artifa
                                artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
     """The Hugging Face export, loaded with ``transformers`` alone (``GPT2LMHeadModel``), gives the
     trainer's loss on a fixed validation batch (within 1e-3 nats); every file matches its checksum."""
+    from vlm_assets.data.token_stream import reference_batch
+    from vlm_assets.models.gpt_export import hf_loss
+
     store = artifact_store.get_store()
     store.verify(gpt_checkpoint.key)
     root = store.local_path(gpt_checkpoint.key)

@@ -11,6 +11,7 @@ an MLflow run and commits it atomically: a failure leaves the key empty and the 
 import contextlib
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -125,4 +126,8 @@ def _output(ref: ArtifactRef, cache: str, seconds: float, config: AssetConfig) -
         **ref.metadata["metadata"],
         **{k: dg.MetadataValue.md(v) for k, v in ref.metadata["markdown"].items()},
     }
-    return dg.Output(ref, data_version=dg.DataVersion(ref.data_version), metadata=metadata)
+    with warnings.catch_warnings():
+        # data_version is how Dagster learns a cache hit changed nothing; it is marked beta, and its
+        # warning on every materialization would read as trouble in the run log.
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        return dg.Output(ref, data_version=dg.DataVersion(ref.data_version), metadata=metadata)

@@ -2,7 +2,6 @@
 
 import contextlib
 import fcntl
-import os
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -10,8 +9,6 @@ from typing import Any
 
 import dagster as dg
 from pydantic import Field, PrivateAttr
-
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
 def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -87,6 +84,19 @@ class MlflowTrackingResource(dg.ConfigurableResource):
                 client.search_experiments(max_results=1)  # creates/migrates the store now, under the lock
             self._client = client
         return self._client
+
+    @contextlib.contextmanager
+    def registry_errors(self) -> Iterator[None]:
+        """A tracking server or registry that cannot be reached fails the step naming its URI
+        (retryable: the next attempt asks the registry again and registers at most once)."""
+        from mlflow.exceptions import MlflowException
+        from requests.exceptions import RequestException
+
+        try:
+            yield
+        except (MlflowException, RequestException, OSError) as err:
+            raise dg.Failure(description=f"MLflow at {self.tracking_uri} could not be reached or refused the "
+                                         f"request: {type(err).__name__}: {str(err)[:500]}") from err
 
     def experiment_id(self) -> str:
         client = self.client()

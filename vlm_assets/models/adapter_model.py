@@ -1,0 +1,8 @@
+"""The occlusion adapter's MLflow model code (models-from-code): MLflow runs this file to build the
+model, so the registry holds code and weights, never a pickled Python object."""
+
+from mlflow.models import set_model
+
+from vlm_assets.models.adapter_pyfunc import OcclusionAdapterPredictor
+
+set_model(OcclusionAdapterPredictor())

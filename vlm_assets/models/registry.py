@@ -1,0 +1,52 @@
+"""The MLflow Model Registry as the source of truth for what is registered (no dagster imports).
+
+A model version is identified by the sha256 of its weights, stored as the version tag
+``weights_sha256``. ``register_once`` asks the registry, not any local cache, whether these weights
+are already a version and whether the alias points at it; it registers and/or moves the alias only
+when needed, so the same weights never make a second version, even when a retry follows a
+registration that died half-way, and a registry that was reset or an alias moved by hand is mended.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+WEIGHTS_TAG = "weights_sha256"
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    name: str
+    version: str
+    alias: str
+    action: str  # "registered" | "alias moved" | "already current"
+
+
+def register_once(client, name: str, alias: str, weights_sha256: str, log_model: Callable[[], str],
+                  description: str) -> Registration:
+    """Make ``name@alias`` point at the version holding these weights. ``log_model`` logs the model and
+    returns its URI; it is called only when no version with these weights exists."""
+    from mlflow.exceptions import MlflowException
+
+    existing = client.search_model_versions(f"name = '{name}' and tags.{WEIGHTS_TAG} = '{weights_sha256}'")
+    action = "already current"
+    if existing:
+        version = str(min(int(v.version) for v in existing))
+    else:
+        try:
+            client.get_registered_model(name)
+        except MlflowException:
+            client.create_registered_model(name, description=description)
+        model_uri = log_model()
+        # The tag is set in the same call that creates the version: there is no moment at which a
+        # version with these weights exists untagged, so a retry never registers them twice.
+        version = str(client.create_model_version(name, model_uri, tags={WEIGHTS_TAG: weights_sha256},
+                                                  description=description).version)
+        action = "registered"
+    try:
+        current = str(client.get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        current = None
+    if current != version:
+        client.set_registered_model_alias(name, alias, version)
+        action = "registered" if action == "registered" else "alias moved"
+    return Registration(name, version, alias, action)

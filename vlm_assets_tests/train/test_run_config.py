@@ -1,0 +1,60 @@
+"""Cache identity and the run file: which fields enter the key, and the JSON round trip."""
+
+import json
+
+import pytest
+
+from vlm_assets.memo import cache_key
+from vlm_assets.train.adapter_config import AdapterTrainConfig
+from vlm_assets.train.gpt_config import PretrainConfig
+from vlm_assets.train.run_config import RunPaths, read_run_file, write_run_file
+
+
+def key(config) -> str:
+    return cache_key("gpt_checkpoint", "1", config.identity(), {"token_shards": "abc"})
+
+
+@pytest.mark.parametrize("run_change", [
+    {"timeout_s": 7}, {"num_nodes": 4}, {"nproc_per_node": 8, "micro_batch_size": 4}, {"log_every": 1},
+    {"keep_last": 9}, {"checkpoint_every": 5}, {"activation_checkpointing": True}, {"num_workers": 2},
+])
+def test_run_fields_leave_the_key_alone(run_change):
+    assert key(PretrainConfig(**run_change)) == key(PretrainConfig())
+
+
+@pytest.mark.parametrize("content_change", [
+    {"lr": 1e-3}, {"max_steps": 1000}, {"global_batch_size": 512}, {"preset": "tiny"}, {"seed": 1},
+    {"strategy": "ddp"}, {"dropout": 0.1},
+])
+def test_content_fields_give_a_new_key(content_change):
+    assert key(PretrainConfig(**content_change)) != key(PretrainConfig())
+
+
+def test_identity_and_run_fields_partition_the_config():
+    for model in (PretrainConfig, AdapterTrainConfig):
+        config = model()
+        assert set(config.identity()) | set(config.run_settings()) == set(model.model_fields)
+        assert not set(config.identity()) & set(config.run_settings())
+    assert {"timeout_s", "num_nodes", "nproc_per_node", "gradient_checkpointing", "log_every",
+            "materialize_partial_on_failure"} == set(AdapterTrainConfig().run_settings()) - {"micro_batch_size"}
+
+
+def test_run_file_round_trip_and_errors_name_the_file_and_field(tmp_path):
+    config = PretrainConfig(preset="tiny", max_steps=30, warmup_steps=5, nproc_per_node=2, micro_batch_size=2,
+                            global_batch_size=8)
+    paths = RunPaths(inputs={"token_shards": "/data"}, out_dir="o", cache_dir="c",
+                     checkpoint_store={"kind": "local", "root": "r"}, checkpoint_prefix="p")
+    write_run_file(tmp_path / "run.json", config, paths)
+    assert read_run_file(tmp_path / "run.json", PretrainConfig) == (config, paths)
+
+    data = json.loads((tmp_path / "run.json").read_text())
+    data["config"]["max_steps"] = "many"
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"bad\.json: field max_steps: Input should be a valid integer"):
+        read_run_file(tmp_path / "bad.json", PretrainConfig)
+    data["config"]["max_steps"], data["config"]["typo_field"] = 30, 1
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"bad\.json: field typo_field: Extra inputs are not permitted"):
+        read_run_file(tmp_path / "bad.json", PretrainConfig)
+    with pytest.raises(ValueError, match="input 'backbone' missing"):
+        paths.input("backbone")
