@@ -111,3 +111,15 @@ def test_image_folder_unknown_layout_and_bad_files(tmp_path, offline_data):
     broken.write_bytes(b"not a png")
     with pytest.raises(ValueError, match=rf"{broken.name}: unreadable image"):
         load_image_folder(root, resize_to=24)
+
+
+def test_stratified_split_is_seeded_and_keeps_every_class():
+    from vlm_assets.data.image_sources import stratified_split
+
+    labels = np.repeat(np.arange(3), [10, 4, 2])
+    keep, held = stratified_split(labels, 0.25, seed=3)
+    assert np.bincount(labels[held]).tolist() == [2, 1, 1] and len(keep) + len(held) == len(labels)
+    assert not set(keep) & set(held)
+    assert np.array_equal(stratified_split(labels, 0.25, seed=3)[1], held)
+    with pytest.raises(ValueError, match="class 0 has 1 image"):
+        stratified_split(np.array([0, 1, 1]), 0.5, seed=0)

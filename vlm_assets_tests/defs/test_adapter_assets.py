@@ -130,7 +130,7 @@ def test_registry_is_the_truth_alias_mended_and_no_second_version(pipeline, offl
     fresh = IsolatedEnv(env.root, GRAPH, f"sqlite:///{env.root / 'fresh-mlflow.db'}")
     reset = fresh.materialize(run_config(offline_data))
     assert meta(reset, "occlusion_adapter")["cache"] == "hit" and meta(reset, "registered_adapter")["registry"] == "registered"
-    assert mlflow.MlflowClient(fresh.uri).get_model_version_by_alias("occlusion_adapter", "champion").version == "1"
+    assert str(mlflow.MlflowClient(fresh.uri).get_model_version_by_alias("occlusion_adapter", "champion").version) == "1"
 
 
 def test_registered_model_predicts_what_eval_report_predicted(pipeline):

@@ -20,7 +20,7 @@ from vlm_assets.defs.data.token_assets import (
     token_ids_within_vocab,
     token_shards,
 )
-from vlm_assets_tests.conftest import real_cifar_images, serve_directory, write_cifar_tarball
+from vlm_assets_tests.conftest import CIFAR10_CLASSES, real_cifar_images, serve_directory, write_cifar_tarball
 
 OCCLUSION = [occlusion_manifests, boxes_within_configured_bounds, counts_match_config,
              every_class_present_and_balanced, every_image_readable]
@@ -105,6 +105,34 @@ def test_cifar_tarball_over_http_and_a_failing_balance_check(embedded, offline_d
                       "every_class_present_and_balanced": False, "every_image_readable": True}
     failed = next(e for e in result.get_asset_check_evaluations() if not e.passed)
     assert "classes [2, 4] have no images" in failed.description
+
+
+def test_train_only_image_folder_is_split_and_its_natural_imbalance_only_warns(embedded, offline_data, tmp_path):
+    import dagster as dg
+    from PIL import Image
+
+    images, labels = real_cifar_images(offline_data)
+    for copy in range(2):  # two files per real image: every class can give one to validation
+        for i, (img, label) in enumerate(zip(images, labels)):
+            folder = tmp_path / "folder" / "train" / CIFAR10_CLASSES[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(img).save(folder / f"{copy}-{i:02d}.png")
+    config = {"source": "image_folder", "source_uri": str(tmp_path / "folder"), "validation_fraction": 0.25}
+    result = embedded.materialize(OCCLUSION, {"ops": {"occlusion_manifests": {"config": config}}})
+    counts = np.bincount(labels)
+    counts = 2 * counts[counts > 0]
+    held = np.maximum(1, np.round(0.25 * counts)).astype(int)
+    meta = materialization(result).metadata
+    assert meta["num_validation"].value == held.sum() and meta["num_train"].value == counts.sum() - held.sum()
+    logs = [e.user_message for e in embedded.instance.all_logs(result.run_id)]
+    assert any(f"holding out {held.sum()} of {counts.sum()} train images" in m for m in logs)
+    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    balance = evaluations.pop("every_class_present_and_balanced")
+    # All images were asked for (no num_train / num_validation): the source's own histogram is
+    # reported and its imbalance is a warning, not a blocking failure.
+    assert not balance.passed and balance.severity == dg.AssetCheckSeverity.WARN
+    assert "no balanced subset asked for" in balance.description
+    assert all(e.passed for e in evaluations.values())
 
 
 def test_checks_guard_a_cached_artifact_that_was_damaged(embedded, offline_data):
