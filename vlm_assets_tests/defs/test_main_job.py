@@ -35,10 +35,13 @@ def test_main_job_materializes_the_graph_then_hits_the_cache(tmp_path, offline_d
     assert len(re.findall(r"ASSET_CHECK_EVALUATION - Asset check '\w+' on '\w+' passed", first)) == 13
     artifacts = sorted(p.parent.relative_to(tmp_path / "home" / "artifacts").as_posix()
                        for p in (tmp_path / "home" / "artifacts").glob("*/*/_COMPLETE.json"))
+    # registered_adapter keeps no artifact of its own: the MLflow registry is its record.
     assert [a.split("/")[0] for a in artifacts] == ["eval_report", "gpt_checkpoint", "occlusion_adapter",
-                                                    "occlusion_manifests", "registered_adapter", "token_shards"]
+                                                    "occlusion_manifests", "token_shards"]
+    assert "occlusion_adapter@champion -> v1 (registered)" in first
     assert "[node 1]" in first  # the GPT trained on two torchrun nodes
     assert (tmp_path / "home" / "mlflow.db").is_file()
 
     second, _ = _execute(env)
-    assert second.count("cache hit:") == 6 and "RUN_SUCCESS" in second
+    assert second.count("cache hit:") == 5 and "RUN_SUCCESS" in second
+    assert "occlusion_adapter@champion -> v1 (already current)" in second
