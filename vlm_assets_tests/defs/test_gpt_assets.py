@@ -100,23 +100,30 @@ def _workers(marker: str) -> list[int]:
     return training_workers("vlm_assets.train.gpt_pretrain", marker)
 
 
-def test_killed_worker_fails_cleanly_and_the_retry_resumes_the_same_curve(ddp_run, tmp_path, offline_data, mlflow_uri):
-    env = Env(tmp_path, mlflow_uri)
-    killed = {}
+def _signal_after_checkpoints(env, marker: str, count: int, sig: int, pick=lambda pids: pids):
+    """Start a thread that waits for ``count`` committed checkpoints and live workers of ``marker``, then
+    sends ``sig`` to ``pick(pids)``; returns it and a dict that gets the last committed ``step``."""
+    seen = {}
 
-    def kill_after_second_checkpoint():
+    def watch():
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             committed = sorted(env.root.glob("artifacts/checkpoints/gpt_checkpoint/*/step-*/_COMPLETE.json"))
-            if len(committed) >= 2 and (pids := _workers(str(tmp_path))):
-                killed["last_checkpoint"] = int(committed[-1].parent.name.split("-")[1])
-                killed["pid"] = max(pids)
-                os.kill(killed["pid"], signal.SIGKILL)
+            if len(committed) >= count and (pids := _workers(marker)):
+                seen["step"] = int(committed[-1].parent.name.split("-")[1])
+                for pid in pick(pids):
+                    os.kill(pid, sig)
                 return
             time.sleep(0.05)
 
-    killer = threading.Thread(target=kill_after_second_checkpoint)
-    killer.start()
+    thread = threading.Thread(target=watch)
+    thread.start()
+    return thread, seen
+
+
+def test_killed_worker_fails_cleanly_and_the_retry_resumes_the_same_curve(ddp_run, tmp_path, offline_data, mlflow_uri):
+    env = Env(tmp_path, mlflow_uri)
+    killer, killed = _signal_after_checkpoints(env, str(tmp_path), 2, signal.SIGKILL, pick=lambda pids: [max(pids)])
     result = env.materialize(run_config(offline_data))
     killer.join()
     assert killed, "the worker was never killed"
@@ -128,7 +135,7 @@ def test_killed_worker_fails_cleanly_and_the_retry_resumes_the_same_curve(ddp_ru
 
     meta, checks = outcome(result)
     assert result.success and all(checks.values())
-    assert meta["resumed_from_step"] == killed["last_checkpoint"]
+    assert meta["resumed_from_step"] == killed["step"]
     assert meta["steps"] == MAX_STEPS
     resumed = json.loads((Path(meta["uri"]) / "history.json").read_text())
     uninterrupted = ddp_run[4]
@@ -188,21 +195,7 @@ def test_timeout_then_a_longer_timeout_resumes_from_the_last_checkpoint(ddp_run,
     """The job is frozen (SIGSTOP) right after its first checkpoint, so the launcher's timeout fires at a
     known step; the rerun with a raised timeout_s has the same key and resumes there."""
     env = Env(tmp_path, mlflow_uri)
-    frozen = {}
-
-    def freeze_after_first_checkpoint():
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            committed = sorted(env.root.glob("artifacts/checkpoints/gpt_checkpoint/*/step-*/_COMPLETE.json"))
-            if committed and (pids := _workers(str(tmp_path))):
-                frozen["step"] = int(committed[-1].parent.name.split("-")[1])
-                for pid in pids:
-                    os.kill(pid, signal.SIGSTOP)
-                return
-            time.sleep(0.05)
-
-    freezer = threading.Thread(target=freeze_after_first_checkpoint)
-    freezer.start()
+    freezer, frozen = _signal_after_checkpoints(env, str(tmp_path), 1, signal.SIGSTOP)
     first = env.materialize(run_config(offline_data, timeout_s=60), raise_on_error=False)
     freezer.join()
     assert frozen, "the job was never frozen after a checkpoint"
@@ -215,7 +208,7 @@ def test_timeout_then_a_longer_timeout_resumes_from_the_last_checkpoint(ddp_run,
     meta, checks = outcome(env.materialize(run_config(offline_data, timeout_s=600)))
     assert meta["cache_key"] == ddp_run[2]["cache_key"]  # timeout_s is a run field, not identity
     assert meta["resumed_from_step"] == frozen["step"] and meta["steps"] == MAX_STEPS and all(checks.values())
-    assert json.loads(meta["run_settings"] if isinstance(meta["run_settings"], str) else json.dumps(meta["run_settings"]))["timeout_s"] == 600
+    assert meta["run_settings"]["timeout_s"] == 600
     resumed = json.loads((Path(meta["uri"]) / "history.json").read_text())
     assert resumed["train"][-1]["loss"] == pytest.approx(ddp_run[4]["train"][-1]["loss"], abs=1e-5)
     assert resumed["val"][-1]["loss"] == pytest.approx(ddp_run[4]["val"][-1]["loss"], abs=1e-5)
