@@ -8,9 +8,10 @@ Artifact layout::
     val/   index.json shard.*.mds
 
 Each sample has ``input_ids`` and ``labels`` (``ndarray:int32``, ``max_length`` tokens, no padding;
-labels equal the inputs, the model shifts them). Documents are tokenized in batches with the fast
-(Rust) tokenizer and packed through one running buffer, so nothing is padded and no document is lost
-between blocks; the tail shorter than a block is dropped.
+labels equal the inputs, the model shifts them). Documents are tokenized in batches with tiktoken
+running the tokenizer's own GPT-2 ranks (ids identical to the HF tokenizer, ~6x its batched speed here;
+see ``gpt2_batch_encoder``) and packed through one running buffer, so nothing is padded and no
+document is lost between blocks; the tail shorter than a block is dropped.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from vlm_assets._streaming import MDSWriter
 from vlm_assets.progress import report_progress
 
 COLUMNS = {"input_ids": "ndarray:int32", "labels": "ndarray:int32"}
-_TOKENIZE_BATCH = 512
+_TOKENIZE_BATCH = 2048
 
 
 def load_gpt2_tokenizer(name_or_path: str):
@@ -43,6 +44,49 @@ def load_gpt2_tokenizer(name_or_path: str):
         raise ValueError(f"tokenizer '{name_or_path}' loaded without a vocabulary or EOS token")
     tokenizer.model_max_length = 1 << 30  # we chunk ourselves; silence the 1024-token warning
     return tokenizer
+
+
+def _byte_decoder() -> dict[int, int]:
+    """Inverse of GPT-2's ``bytes_to_unicode`` as a ``str.translate`` table: stand-in character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return dict(zip([*printable, *range(256, 256 + len(others))], [*printable, *others]))
+
+
+def gpt2_batch_encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
+    """A batch encoder giving the HF GPT-2 tokenizer's ids, through tiktoken when it can.
+
+    tiktoken's BPE applies merges in the order of the token ids; that equals the tokenizer's merge
+    order for GPT-2 (merge i makes token 256 + i), which is checked here on the tokenizer's own merges.
+    A byte-level BPE whose ids do not follow its merges falls back to the HF fast tokenizer (batched).
+    The ranks are converted here from the loaded tokenizer: tiktoken's own loader for these files
+    (``data_gym_to_mergeable_bpe_ranks``) caches them in /tmp keyed by path alone, so an edited file
+    at the same path would be read stale.
+    """
+    def hf_batch(docs: list[str]) -> list[list[int]]:
+        return tokenizer(docs, add_special_tokens=False)["input_ids"]
+
+    try:
+        import tiktoken
+        from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's regex, possessive (faster)
+    except ImportError:
+        return hf_batch
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    vocab, merges = tokenizer.get_vocab(), model.get("merges") or []
+    merged_ids = [vocab.get("".join(m) if isinstance(m, list) else m.replace(" ", "", 1)) for m in merges]
+    if model.get("type") != "BPE" or None in merged_ids or merged_ids != sorted(merged_ids):
+        return hf_batch
+    decoder = _byte_decoder()
+    special = {t: vocab[t] for t in tokenizer.all_special_tokens if t in vocab}
+    try:
+        ranks = {tok.translate(decoder).encode("latin-1"): i for tok, i in vocab.items() if tok not in special}
+    except UnicodeEncodeError:  # a character outside the byte alphabet: not byte-level BPE
+        return hf_batch
+    encoding = tiktoken.Encoding(f"hf-{len(vocab)}", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                                 special_tokens=special)
+    # Like the HF tokenizer, a special token's text inside a document becomes that token. A plain
+    # loop: tiktoken's ``encode_batch`` thread pool measured 4x slower than this on 2 cores.
+    return lambda docs: [encoding.encode(doc, allowed_special="all") for doc in docs]
 
 
 def paragraphs_of_files(pattern: str) -> Iterator[str]:
@@ -90,13 +134,14 @@ def split_documents(documents: Iterable[str], val_fraction: float, seed: int) ->
 
 def pack_blocks(tokenizer, documents: Iterable[str], max_length: int, max_samples: int | None) -> Iterator[np.ndarray]:
     """Yield int32 blocks of ``max_length`` tokens from ``doc EOS doc EOS ...``."""
-    eos = tokenizer.eos_token_id
+    eos = [tokenizer.eos_token_id]
+    encode = gpt2_batch_encoder(tokenizer)
     docs = iter(documents)
     buffer = np.empty(0, np.int32)
     emitted = 0
     while batch := list(itertools.islice(docs, _TOKENIZE_BATCH)):
-        encoded = tokenizer(batch, add_special_tokens=False)["input_ids"]
-        buffer = np.concatenate([buffer, np.fromiter((t for ids in encoded for t in (*ids, eos)), np.int32)])
+        flat = list(itertools.chain.from_iterable(ids + eos for ids in encode(batch)))
+        buffer = np.concatenate([buffer, np.array(flat, np.int32)])
         num_blocks = len(buffer) // max_length
         for i in range(num_blocks):
             if max_samples is not None and emitted >= max_samples:

@@ -6,6 +6,7 @@ import torch
 
 from vlm_assets.data import token_checks
 from vlm_assets.data.token_shards import (
+    gpt2_batch_encoder,
     load_gpt2_tokenizer,
     pack_blocks,
     paragraphs_of_files,
@@ -28,6 +29,15 @@ def shakespeare(offline_data):
 def test_tokenizer_is_real_gpt2_bpe(tokenizer):
     assert len(tokenizer) == 50257 and tokenizer.eos_token_id == 50256
     assert tokenizer("Hello world")["input_ids"] == [15496, 995]
+
+
+def test_fast_encoder_gives_the_hf_ids_on_the_whole_shakespeare_corpus(tokenizer, shakespeare):
+    docs = list(paragraphs_of_files(shakespeare))
+    docs += ["  spaces\t\tand tabs\n\n", "naïve café — 東京 🙂", "<|endoftext|> is text here", "it's we'll 1234"]
+    fast = gpt2_batch_encoder(tokenizer)
+    assert fast.__module__ != __name__ and "hf_batch" not in fast.__qualname__  # tiktoken, not the fallback
+    assert fast(docs) == tokenizer(docs, add_special_tokens=False)["input_ids"]
+    assert sum(map(len, fast(docs[:-4]))) > 1_400_000  # 38,920 paragraphs, ~1.49M tokens
 
 
 def test_blocks_are_documents_joined_with_eos(tokenizer):
