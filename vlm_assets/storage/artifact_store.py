@@ -4,21 +4,30 @@ An artifact is a directory of files under a key such as ``occlusion_manifests/3f
 fill a local staging directory; ``commit`` then publishes the files and, last, a ``_COMPLETE.json``
 manifest holding every file's size and sha256 plus free-form metadata. Readers only ever trust a key
 whose manifest exists, so a writer that dies half-way leaves nothing visible: the key stays empty.
+
+A complete artifact is never replaced: if two writers commit the same key, the first commit wins and
+the second gets the first one's ref (same key = same identity = equivalent content). Leases
+(``lease``) keep a second writer from building at all while the first is alive.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from vlm_assets.storage.lease import Lease, LeaseState
 
 MANIFEST_NAME = "_COMPLETE.json"
 _CHUNK = 1 << 20
@@ -42,11 +51,13 @@ def sha256_file(path: Path) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ArtifactManifest:
-    """What ``_COMPLETE.json`` records: files (relative path -> size, sha256) and metadata."""
+    """What ``_COMPLETE.json`` records: files (relative path -> size, sha256) and metadata.
+    ``location``: where the files live below the key ("" = directly; S3 commits use the digest)."""
 
     key: str
     files: dict[str, dict[str, Any]]
     metadata: dict[str, Any]
+    location: str = ""
 
     @property
     def digest(self) -> str:
@@ -92,7 +103,7 @@ class ArtifactStore(ABC):
     """A place for artifact directories: local filesystem or any S3-compatible object store."""
 
     @abstractmethod
-    def uri(self, key: str) -> str:
+    def uri(self, key: str, location: str = "") -> str:
         """Where the artifact's files live (a path or ``s3://`` URI)."""
 
     @abstractmethod
@@ -100,8 +111,13 @@ class ArtifactStore(ABC):
         """The committed manifest; ``ArtifactNotFoundError`` if the key is not complete."""
 
     @abstractmethod
-    def _publish(self, key: str, staging: Path, manifest: ArtifactManifest) -> None:
-        """Make ``staging``'s files visible under ``key``; the manifest goes last."""
+    def _publish(self, key: str, staging: Path, manifest: ArtifactManifest) -> ArtifactManifest:
+        """Make ``staging``'s files visible under ``key``, the manifest last, unless a complete
+        artifact is already there; returns the manifest that is committed under ``key`` now."""
+
+    @abstractmethod
+    def _listed_sizes(self, key: str, manifest: ArtifactManifest) -> dict[str, int]:
+        """Sizes of the files the manifest lists, as present in the store (absent files left out)."""
 
     @abstractmethod
     def local_path(self, key: str, cache_dir: Path | None = None) -> Path:
@@ -110,6 +126,40 @@ class ArtifactStore(ABC):
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove the artifact (manifest first, so it is never half-visible)."""
+
+    def quick_verify(self, key: str) -> list[str]:
+        """Problems found without reading any content: each listed file present with its recorded
+        size (one stat or one listing, whatever the artifact's size). Empty when intact as far as
+        sizes tell; ``verify`` re-hashes everything."""
+        manifest = self.read_manifest(key)
+        sizes = self._listed_sizes(key, manifest)
+        problems = []
+        for rel, expected in manifest.files.items():
+            if rel not in sizes:
+                problems.append(f"{rel}: listed in the manifest but missing")
+            elif sizes[rel] != expected["size"]:
+                problems.append(f"{rel}: {sizes[rel]} bytes, the manifest says {expected['size']}")
+        return problems
+
+    def lease(self, key: str, holder: dict[str, Any], ttl_s: float, log: Callable[[str], None] | None = None) -> Lease:
+        """A lease on building ``key`` (see ``vlm_assets.storage.lease``)."""
+        return Lease(self, key, holder, ttl_s, log)
+
+    @abstractmethod
+    def lease_create(self, key: str, body: bytes) -> str | None:
+        """Create the lease record if absent: its token, or None if one exists."""
+
+    @abstractmethod
+    def lease_read(self, key: str) -> LeaseState | None:
+        """The lease record, its age and token; None if absent."""
+
+    @abstractmethod
+    def lease_renew(self, key: str, token: str) -> str | None:
+        """Mark the lease fresh if ``token`` still holds it: the new token, else None."""
+
+    @abstractmethod
+    def lease_remove(self, key: str, token: str) -> None:
+        """Remove the lease if ``token`` still holds it."""
 
     def verify(self, key: str, cache_dir: Path | None = None) -> ArtifactManifest:
         """Re-hash every file against the manifest; ``CorruptArtifactError`` names the first bad one."""
@@ -130,13 +180,12 @@ class ArtifactStore(ABC):
 
     def ref(self, key: str) -> ArtifactRef:
         manifest = self.read_manifest(key)
-        return ArtifactRef(key, self.uri(key), manifest.digest, manifest.metadata)
+        return ArtifactRef(key, self.uri(key, manifest.location), manifest.digest, manifest.metadata)
 
     def commit(self, key: str, staging: Path, metadata: dict[str, Any]) -> ArtifactRef:
         """Publish a finished staging directory under ``key`` atomically."""
-        manifest = ArtifactManifest.of_directory(key, staging, metadata)
-        self._publish(key, staging, manifest)
-        return ArtifactRef(key, self.uri(key), manifest.digest, manifest.metadata)
+        manifest = self._publish(key, staging, ArtifactManifest.of_directory(key, staging, metadata))
+        return ArtifactRef(key, self.uri(key, manifest.location), manifest.digest, manifest.metadata)
 
     @contextlib.contextmanager
     def staging_dir(self, key: str) -> Iterator[Path]:
@@ -169,7 +218,7 @@ class LocalArtifactStore(ArtifactStore):
         staging.mkdir(exist_ok=True)
         return str(staging)
 
-    def uri(self, key: str) -> str:
+    def uri(self, key: str, location: str = "") -> str:
         return str(self._dir(key))
 
     def read_manifest(self, key: str) -> ArtifactManifest:
@@ -179,7 +228,7 @@ class LocalArtifactStore(ArtifactStore):
         except FileNotFoundError:
             raise ArtifactNotFoundError(f"no complete artifact at {path.parent}") from None
 
-    def _publish(self, key: str, staging: Path, manifest: ArtifactManifest) -> None:
+    def _publish(self, key: str, staging: Path, manifest: ArtifactManifest) -> ArtifactManifest:
         target = self._dir(key)
         staging_root = Path(self._staging_root())
         if staging.parent != staging_root:  # not from staging_dir(): copy onto this filesystem first
@@ -188,10 +237,72 @@ class LocalArtifactStore(ArtifactStore):
             staging = copy
         (staging / MANIFEST_NAME).write_text(manifest.to_json())
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists():  # an incomplete leftover of a crash, or a re-commit of the same key
-            shutil.rmtree(target)
-        # One rename publishes the files and the manifest together.
-        os.replace(staging, target)
+        with _flock(self._lease_path(key).with_suffix(".publish")):  # one publisher of a key at a time
+            with contextlib.suppress(ArtifactNotFoundError):
+                return self.read_manifest(key)  # complete already: the first commit wins
+            if target.exists():  # an incomplete leftover of a crash: move it aside (atomic), then drop it
+                aside = staging_root / f"leftover-{uuid.uuid4().hex}"
+                os.rename(target, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+            os.rename(staging, target)  # one rename publishes the files and the manifest together
+        return manifest
+
+    def _listed_sizes(self, key: str, manifest: ArtifactManifest) -> dict[str, int]:
+        root, sizes = self._dir(key), {}
+        for rel in manifest.files:
+            with contextlib.suppress(FileNotFoundError):
+                sizes[rel] = (root / rel).stat().st_size
+        return sizes
+
+    # Leases: O_EXCL creation, mtime as the renewal time; read-check-remove runs under an flock on a
+    # guard file so that two attempts taking over one expired lease cannot both succeed. (flock alone
+    # would be released by the kernel when the step process dies, while its orphaned workers may still
+    # be training: the lease must outlive the process until it expires.)
+    def _lease_path(self, key: str) -> Path:
+        path = self.root / ".leases" / (key.strip("/").replace("/", "__") + ".json")
+        path.parent.mkdir(exist_ok=True)
+        return path
+
+    @contextlib.contextmanager
+    def _lease_guard(self, key: str) -> Iterator[Path]:
+        path = self._lease_path(key)
+        with _flock(path.with_suffix(".guard")):
+            yield path
+
+    def lease_create(self, key: str, body: bytes) -> str | None:
+        with self._lease_guard(key) as path:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return None
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+        return json.loads(body)["attempt"]
+
+    def _lease_state(self, path: Path) -> LeaseState | None:
+        try:
+            holder, mtime = json.loads(path.read_text()), path.stat().st_mtime
+        except (FileNotFoundError, json.JSONDecodeError):  # absent, or a create not yet written
+            return None
+        return LeaseState(holder, max(0.0, time.time() - mtime), holder.get("attempt", ""))
+
+    def lease_read(self, key: str) -> LeaseState | None:
+        with self._lease_guard(key) as path:
+            return self._lease_state(path)
+
+    def lease_renew(self, key: str, token: str) -> str | None:
+        with self._lease_guard(key) as path:
+            state = self._lease_state(path)
+            if state is None or state.token != token:
+                return None
+            os.utime(path)
+            return token
+
+    def lease_remove(self, key: str, token: str) -> None:
+        with self._lease_guard(key) as path:
+            state = self._lease_state(path)
+            if state is not None and state.token == token:
+                path.unlink()
 
     def local_path(self, key: str, cache_dir: Path | None = None) -> Path:
         self.read_manifest(key)
@@ -205,6 +316,17 @@ class LocalArtifactStore(ArtifactStore):
         target = self._dir(key)
         (target / MANIFEST_NAME).unlink(missing_ok=True)
         shutil.rmtree(target, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _flock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created if needed) for one host's processes."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def verify_files(root: Path, manifest: ArtifactManifest) -> None:

@@ -1,17 +1,25 @@
 """Artifacts in any S3-compatible object store (AWS S3, MinIO, Ceph, R2...).
 
-Objects are uploaded under ``s3://<bucket>/<prefix>/<key>/`` and the ``_COMPLETE.json`` manifest is
-put last: S3 PUTs of single objects are atomic, so readers that look for the manifest first never see
-a half-written artifact. A failed upload deletes what it had put.
+A commit uploads its files under ``s3://<bucket>/<prefix>/<key>/<digest>/`` (content-addressed) and
+then puts the ``_COMPLETE.json`` manifest at ``<key>/_COMPLETE.json`` with ``If-None-Match: *``: that
+manifest is the pointer readers follow to the files (its ``location``). S3 PUTs of single objects are
+atomic and the conditional PUT lets exactly one commit of a key win, so a reader never sees a
+half-written or half-replaced artifact; a losing commit removes its own files (unless they are the
+winner's, same digest). A failed upload deletes what it had put.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from botocore.exceptions import ClientError
 
 from vlm_assets.storage.artifact_store import (
     MANIFEST_NAME,
@@ -20,6 +28,11 @@ from vlm_assets.storage.artifact_store import (
     ArtifactStore,
     verify_files,
 )
+from vlm_assets.storage.lease import LeaseState
+
+
+def _precondition_failed(err: ClientError) -> bool:
+    return err.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict", "412")
 
 
 class S3ArtifactStore(ArtifactStore):
@@ -37,8 +50,11 @@ class S3ArtifactStore(ArtifactStore):
         parts = [p for p in (self.prefix, key.strip("/"), rel) if p]
         return "/".join(parts)
 
-    def uri(self, key: str) -> str:
-        return f"s3://{self.bucket}/{self._object_key(key)}"
+    def uri(self, key: str, location: str = "") -> str:
+        return f"s3://{self.bucket}/{self._object_key(key, location)}"
+
+    def _file_key(self, key: str, manifest: ArtifactManifest, rel: str) -> str:
+        return self._object_key(key, f"{manifest.location}/{rel}" if manifest.location else rel)
 
     def read_manifest(self, key: str) -> ArtifactManifest:
         try:
@@ -47,23 +63,42 @@ class S3ArtifactStore(ArtifactStore):
             raise ArtifactNotFoundError(f"no complete artifact at {self.uri(key)}") from None
         return ArtifactManifest.from_json(obj["Body"].read().decode())
 
-    def _publish(self, key: str, staging: Path, manifest: ArtifactManifest) -> None:
+    def _publish(self, key: str, staging: Path, manifest: ArtifactManifest) -> ArtifactManifest:
+        manifest = dataclasses.replace(manifest, location=manifest.digest)
         uploaded = []
         try:
             for rel in manifest.files:
-                object_key = self._object_key(key, rel)
+                object_key = self._file_key(key, manifest, rel)
                 self.client.upload_file(str(staging / rel), self.bucket, object_key)
                 uploaded.append(object_key)
+            self.client.put_object(
+                Bucket=self.bucket, Key=self._object_key(key, MANIFEST_NAME), Body=manifest.to_json().encode(),
+                ContentType="application/json", IfNoneMatch="*",
+            )
+            return manifest
+        except ClientError as err:
+            if not _precondition_failed(err):
+                self._delete_objects(uploaded)
+                raise
+            winner = self.read_manifest(key)  # another commit of this key came first: it stays
+            if winner.location != manifest.location:
+                self._delete_objects(uploaded)
+            return winner
         except BaseException:
-            for object_key in uploaded:
-                self.client.delete_object(Bucket=self.bucket, Key=object_key)
+            self._delete_objects(uploaded)
             raise
-        self.client.put_object(
-            Bucket=self.bucket,
-            Key=self._object_key(key, MANIFEST_NAME),
-            Body=manifest.to_json().encode(),
-            ContentType="application/json",
-        )
+
+    def _delete_objects(self, object_keys: list[str]) -> None:
+        for object_key in object_keys:
+            self.client.delete_object(Bucket=self.bucket, Key=object_key)
+
+    def _listed_sizes(self, key: str, manifest: ArtifactManifest) -> dict[str, int]:
+        base = self._object_key(key, manifest.location) + "/"
+        sizes = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+            for obj in page.get("Contents", []):
+                sizes[obj["Key"][len(base):]] = obj["Size"]
+        return {rel: sizes[rel] for rel in manifest.files if rel in sizes}
 
     def local_path(self, key: str, cache_dir: Path | None = None) -> Path:
         manifest = self.read_manifest(key)
@@ -76,7 +111,7 @@ class S3ArtifactStore(ArtifactStore):
         try:
             for rel in manifest.files:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                self.client.download_file(self.bucket, self._object_key(key, rel), str(tmp / rel))
+                self.client.download_file(self.bucket, self._file_key(key, manifest, rel), str(tmp / rel))
             verify_files(tmp, manifest)
             (tmp / MANIFEST_NAME).write_text(manifest.to_json())
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -105,3 +140,43 @@ class S3ArtifactStore(ArtifactStore):
         for page in paginator.paginate(Bucket=self.bucket, Prefix=self._object_key(key) + "/"):
             for obj in page.get("Contents", []):
                 self.client.delete_object(Bucket=self.bucket, Key=obj["Key"])
+
+    # Leases: S3 conditional writes (If-None-Match to create, If-Match on the ETag to renew/remove).
+    def _lease_key(self, key: str) -> str:
+        return self._object_key(".leases", key.strip("/").replace("/", "__") + ".json")
+
+    def lease_create(self, key: str, body: bytes) -> str | None:
+        try:
+            return self.client.put_object(Bucket=self.bucket, Key=self._lease_key(key), Body=body,
+                                          IfNoneMatch="*")["ETag"]
+        except ClientError as err:
+            if _precondition_failed(err):
+                return None
+            raise
+
+    def lease_read(self, key: str) -> LeaseState | None:
+        try:
+            obj = self.client.get_object(Bucket=self.bucket, Key=self._lease_key(key))
+        except self.client.exceptions.NoSuchKey:
+            return None
+        age = (dt.datetime.now(dt.timezone.utc) - obj["LastModified"]).total_seconds()
+        return LeaseState(json.loads(obj["Body"].read()), max(0.0, age), obj["ETag"])
+
+    def lease_renew(self, key: str, token: str) -> str | None:
+        state = self.lease_read(key)
+        if state is None or state.token != token:
+            return None
+        try:
+            return self.client.put_object(Bucket=self.bucket, Key=self._lease_key(key),
+                                          Body=json.dumps(state.holder).encode(), IfMatch=token)["ETag"]
+        except ClientError as err:
+            if _precondition_failed(err) or err.response.get("Error", {}).get("Code") == "NoSuchKey":
+                return None
+            raise
+
+    def lease_remove(self, key: str, token: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._lease_key(key), IfMatch=token)
+        except ClientError as err:
+            if not _precondition_failed(err) and err.response.get("Error", {}).get("Code") != "NoSuchKey":
+                raise

@@ -1,5 +1,10 @@
+import json
+import threading
+import time
+
 import pytest
 
+from vlm_assets.storage.lease import LeaseLostError, holder_record
 from vlm_assets.storage import (
     ArtifactNotFoundError,
     CorruptArtifactError,
@@ -69,7 +74,7 @@ def test_failure_during_publish_leaves_nothing_visible(store, monkeypatch):
 
         monkeypatch.setattr(store.client, "upload_file", flaky_upload)
     else:
-        monkeypatch.setattr("vlm_assets.storage.artifact_store.os.replace",
+        monkeypatch.setattr("vlm_assets.storage.artifact_store.os.rename",
                             lambda *a: (_ for _ in ()).throw(ConnectionError("network dropped")))
     with pytest.raises(ConnectionError):
         with store.staging_dir("asset/k3") as staging:
@@ -99,3 +104,109 @@ def test_empty_artifact_and_escaping_keys_are_refused(tmp_path):
         store.commit("asset/k5", staging, {})
     with pytest.raises(ValueError, match="escapes the store root"):
         store.uri("../outside")
+
+
+def test_concurrent_commits_of_one_key_first_wins_never_half_replaced(store):
+    """Six writers commit different content under one key at once: exactly one commit is visible,
+    every writer gets that one's ref, and every read sees a complete, verified artifact."""
+    refs, errors, seen = [], [], []
+    start = threading.Barrier(7)
+
+    def writer(i):
+        try:
+            with store.staging_dir("asset/race") as staging:
+                (staging / "payload.bin").write_bytes(bytes([i]) * 200_000)
+                (staging / "who.txt").write_text(str(i))
+                start.wait()
+                refs.append(store.commit("asset/race", staging, {"writer": i}))
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    def reader():
+        start.wait()
+        deadline = time.time() + 3
+        while time.time() < deadline and len(seen) < 50:
+            if store.exists("asset/race"):
+                root = store.local_path("asset/race")
+                seen.append((root / "who.txt").read_text())
+                assert (root / "payload.bin").read_bytes() == bytes([int(seen[-1])]) * 200_000
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(6)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    winner = store.read_manifest("asset/race").metadata["writer"]
+    assert {r.metadata["writer"] for r in refs} == {winner} and len({r.uri for r in refs}) == 1
+    assert set(seen) <= {str(winner)}
+    store.verify("asset/race")
+    if isinstance(store, S3ArtifactStore):  # the losers' uploads were removed
+        listed = store.client.list_objects_v2(Bucket=store.bucket, Prefix="team/vlm/asset/race/")
+        assert len(listed["Contents"]) == 3  # manifest + the winner's two files
+
+
+def test_quick_verify_reads_sizes_not_content(store):
+    with store.staging_dir("asset/q") as staging:
+        _fill(staging)
+        store.commit("asset/q", staging, {})
+    assert store.quick_verify("asset/q") == []
+    manifest = store.read_manifest("asset/q")
+    if isinstance(store, S3ArtifactStore):
+        prefix = f"team/vlm/asset/q/{manifest.location}"
+        store.client.put_object(Bucket=store.bucket, Key=f"{prefix}/a.txt", Body=b"alph")
+        store.client.delete_object(Bucket=store.bucket, Key=f"{prefix}/sub/b.bin")
+    else:
+        (store.root / "asset" / "q" / "a.txt").write_text("alph")
+        (store.root / "asset" / "q" / "sub" / "b.bin").unlink()
+    assert store.quick_verify("asset/q") == ["a.txt: 4 bytes, the manifest says 5",
+                                             "sub/b.bin: listed in the manifest but missing"]
+
+
+def test_lease_one_holder_named_renewed_released(store):
+    first = store.lease("asset/k", holder_record("run-a"), ttl_s=0.6)
+    assert first.try_acquire() is None
+    time.sleep(1.5)  # well past the ttl: the holder's renewals keep it live
+    busy = store.lease("asset/k", holder_record("run-b"), ttl_s=0.6).try_acquire()
+    assert busy is not None and busy.holder["run_id"] == "run-a"
+    assert busy.describe().startswith("run run-a on ") and " since " in busy.describe()
+    first.ensure_held()
+    first.release()
+    second = store.lease("asset/k", holder_record("run-b"), ttl_s=0.6)
+    assert second.try_acquire() is None
+    second.release()
+
+
+def test_stale_lease_of_a_dead_holder_expires_and_only_one_takes_it_over(store):
+    dead = holder_record("run-dead")
+    assert store.lease_create("asset/s", json.dumps(dead).encode()) is not None  # never renewed
+    assert store.lease("asset/s", holder_record("run-x"), ttl_s=1).try_acquire().holder["run_id"] == "run-dead"
+    time.sleep(1.3)
+    results, logs = [], []
+    contenders = [store.lease("asset/s", holder_record(f"run-{i}"), ttl_s=1, log=logs.append) for i in range(4)]
+    threads = [threading.Thread(target=lambda c=c: results.append(c.try_acquire())) for c in contenders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(r is None for r in results) == 1, results  # exactly one new holder
+    assert any("expired" in line and "run-dead" in line for line in logs)
+    for c in contenders:
+        c.release()
+
+
+def test_a_lease_taken_over_while_held_forbids_the_commit(store):
+    lease = store.lease("asset/l", holder_record("run-slow"), ttl_s=30)
+    assert lease.try_acquire() is None
+    state = store.lease_read("asset/l")
+    store.lease_remove("asset/l", state.token)  # as an expiry takeover by another attempt would
+    assert store.lease_create("asset/l", json.dumps(holder_record("run-other")).encode())
+    lease.ttl_s = 0.3  # renew now
+    lease._stop.wait(0.5)
+    deadline = time.time() + 15
+    while not lease.lost and time.time() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(LeaseLostError, match="no longer held"):
+        lease.ensure_held()
+    lease.release()
+    assert store.lease_read("asset/l").holder["run_id"] == "run-other"

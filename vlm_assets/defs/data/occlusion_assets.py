@@ -124,7 +124,7 @@ def occlusion_manifests(
                                  f"{base64.b64encode(preview.read_bytes()).decode()})"},
         )
 
-    return materialize_memoized(context, store=artifact_store.get_store(), mlflow=mlflow, config=config, build=build)
+    return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build)
 
 
 def _outcome(result: occlusion_checks.CheckOutcome) -> dg.AssetCheckResult:

@@ -79,7 +79,7 @@ def token_shards(
             metadata={"vocab_size": summary["vocab_size"], "max_length": summary["max_length"]},
         )
 
-    return materialize_memoized(context, store=artifact_store.get_store(), mlflow=mlflow, config=config, build=build)
+    return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build)
 
 
 def _outcome(result) -> dg.AssetCheckResult:

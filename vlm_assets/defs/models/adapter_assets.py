@@ -111,7 +111,7 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
         return Built(metrics={k: float(v) for k, v in values.items() if isinstance(v, (int, float))},
                      metadata={"backbone": backbone, "partial": partial})
 
-    return materialize_memoized(context, store=store, mlflow=mlflow, config=config, build=build, upstream=upstream)
+    return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream)
 
 
 def partial_from_checkpoint(store: ArtifactStore, prefix: str, staging: Path) -> dict:

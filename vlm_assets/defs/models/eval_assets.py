@@ -81,7 +81,7 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, occ
                      markdown={"summary": markdown_table(summary),
                                "accuracy": f"![accuracy]({data_uri(accuracy_png(summary))})"})
 
-    return materialize_memoized(context, store=store, mlflow=mlflow, config=config, build=build, upstream=upstream)
+    return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream)
 
 
 @dg.asset_check(asset=eval_report, blocking=True)

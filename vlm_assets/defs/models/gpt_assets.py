@@ -94,7 +94,7 @@ def gpt_checkpoint(
             markdown={"loss_curve": f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"},
         )
 
-    return materialize_memoized(context, store=store, mlflow=mlflow, config=config, build=build, upstream=upstream)
+    return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream)
 
 
 @dg.asset_check(asset=gpt_checkpoint, blocking=True)

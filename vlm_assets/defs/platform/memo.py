@@ -6,6 +6,11 @@ identity fields of its config (not the run fields: timeouts, topology, cadence, 
 holds a complete artifact under ``<asset>/<key>``, that artifact is returned at once with
 ``cache: hit`` and the same data version. Otherwise the asset builds it in a staging directory inside
 an MLflow run and commits it atomically: a failure leaves the key empty and the run FAILED.
+
+Only one live attempt builds a key: the builder holds a lease on it in the store (renewed while it
+works, expiring ``lease_ttl_s`` after its holder died). A second materialization of the key (a
+schedule tick and a UI launch) waits and then reuses the artifact, or fails at once naming the holder
+(``on_busy`` of the artifact store resource).
 """
 
 import contextlib
@@ -19,9 +24,11 @@ from typing import Any
 import dagster as dg
 import pydantic
 
+from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.memo import cache_key
 from vlm_assets.storage import ArtifactRef, ArtifactStore
+from vlm_assets.storage.lease import Lease, holder_record
 from vlm_assets.train.run_config import Settings, describe_validation_error
 
 
@@ -73,7 +80,7 @@ def artifact_key(context: dg.AssetExecutionContext, config: dg.Config, upstream:
 def materialize_memoized(
     context: dg.AssetExecutionContext,
     *,
-    store: ArtifactStore,
+    artifact_store: ArtifactStoreResource,
     mlflow: MlflowTrackingResource,
     config: AssetConfig,
     build: Callable[[Path, TrackedRun], Built],
@@ -81,24 +88,57 @@ def materialize_memoized(
 ) -> dg.Output[ArtifactRef]:
     with bad_input_fails_fast():
         config.check_values()
-        return _materialize(context, store, mlflow, config, build, upstream or {})
+        key = artifact_key(context, config, upstream or {})
+        store, started = artifact_store.get_store(), time.perf_counter()
+        with _build_lease(context, artifact_store, store, key) as lease:
+            if lease is None or store.exists(key):
+                ref = store.ref(key)
+                context.log.info(f"cache hit: {ref.uri} (data version {ref.data_version})")
+                return _output(ref, "hit", time.perf_counter() - started, config)
+            return _build(context, store, lease, mlflow, config, build, upstream or {}, key, started)
 
 
-def _materialize(
+@contextlib.contextmanager
+def _build_lease(context: dg.AssetExecutionContext, resource: ArtifactStoreResource, store: ArtifactStore,
+                 key: str) -> Iterator[Lease | None]:
+    """The lease on building ``key``, or None when the artifact is complete (already, or built by the
+    attempt we waited for)."""
+    if store.exists(key):
+        yield None
+        return
+    holder = holder_record(context.run.run_id, asset=context.asset_key.to_user_string())
+    lease = store.lease(key, holder, resource.lease_ttl_s, log=context.log.warning)
+    deadline, said = time.monotonic() + resource.busy_wait_timeout_s, False
+    while (holder := lease.try_acquire()) is not None:
+        if store.exists(key):
+            yield None
+            return
+        if resource.on_busy == "fail" or time.monotonic() > deadline:
+            waited = "" if resource.on_busy == "fail" else f" (waited {resource.busy_wait_timeout_s:.0f} s)"
+            raise dg.Failure(f"{key} is being built by another attempt{waited}: {holder.describe()}. It "
+                             f"expires {resource.lease_ttl_s:.0f} s after its holder stops renewing it.",
+                             allow_retries=False)
+        if not said:
+            context.log.info(f"{key} is being built by {holder.describe()}: waiting for it")
+            said = True
+        time.sleep(min(5.0, resource.lease_ttl_s / 4))
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+def _build(
     context: dg.AssetExecutionContext,
     store: ArtifactStore,
+    lease: Lease,
     mlflow: MlflowTrackingResource,
     config: AssetConfig,
     build: Callable[[Path, TrackedRun], Built],
     upstream: Mapping[str, ArtifactRef],
+    key: str,
+    started: float,
 ) -> dg.Output[ArtifactRef]:
-    key = artifact_key(context, config, upstream)
-    started = time.perf_counter()
-    if store.exists(key):
-        ref = store.ref(key)
-        context.log.info(f"cache hit: {ref.uri} (data version {ref.data_version})")
-        return _output(ref, "hit", time.perf_counter() - started, config)
-
     name = context.asset_key.to_user_string()
     tags = {"dagster.run_id": context.run.run_id, "dagster.asset": name, "vlm_assets.cache_key": key}
     with mlflow.start_run(run_name=name, tags=tags) as run:
@@ -106,6 +146,7 @@ def _materialize(
         with store.staging_dir(key) as staging:
             built = build(staging, run)
             run.log_metrics(built.metrics)
+            lease.ensure_held()
             ref = store.commit(key, staging, metadata={
                 "metrics": built.metrics, "metadata": built.metadata, "markdown": built.markdown, "config": config.identity(),
                 "mlflow_run_id": run.run_id, "upstream": {k: r.data_version for k, r in upstream.items()},

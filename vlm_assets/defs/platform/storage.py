@@ -1,7 +1,7 @@
 """Artifact store resources: one interface, a local-filesystem and an S3 implementation."""
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Literal
 
 import dagster as dg
 from pydantic import Field
@@ -11,7 +11,17 @@ from vlm_assets.storage import ArtifactStore, LocalArtifactStore, S3ArtifactStor
 
 
 class ArtifactStoreResource(dg.ConfigurableResource, ABC):
-    """Where assets commit their artifacts (atomically; see ``vlm_assets.storage``)."""
+    """Where assets commit their artifacts (atomically; see ``vlm_assets.storage``), and how a second
+    materialization of a key that another live attempt is building behaves (store leases)."""
+
+    on_busy: Literal["wait", "fail"] = Field(
+        default="wait", description="A key another live attempt is building: wait for it (then reuse its "
+                                    "artifact or take over) or fail at once naming the holder.")
+    lease_ttl_s: float = Field(
+        default=120.0, ge=5, description="A builder that has not renewed its lease for this long is "
+                                         "dead: its lease expires and the next attempt takes over.")
+    busy_wait_timeout_s: float = Field(
+        default=86_400.0, gt=0, description="on_busy=wait: give up (failing, naming the holder) after this long.")
 
     @abstractmethod
     def get_store(self) -> ArtifactStore: ...
