@@ -20,36 +20,62 @@ class CheckOutcome:
     warning: bool = False  # a failure to report, not to block on
 
 
-def _rows(root: Path) -> dict[str, list[dict[str, Any]]]:
-    return {split: read_manifest(root / f"{split}.jsonl") for split in SPLITS}
-
-
-def boxes_within_bounds(root: Path, bounds: dict[str, BoxBounds]) -> CheckOutcome:
-    worst = {}
-    failures = []
-    for split, rows in _rows(root).items():
+def scan(root: Path, bounds: dict[str, BoxBounds]) -> dict[str, Any]:
+    """One read of the whole artifact (manifests once, every image decoded once): what every check
+    needs, as JSON. It is committed in the artifact's manifest when built, so checks on a cache hit
+    need not read the images again. ``bounds`` are the asset config's (identity), so box outcomes
+    can be judged here; the balance tolerance is the check's own setting and is judged later."""
+    summary = json.loads((root / "dataset.json").read_text())
+    images = ManifestImages(root)
+    result: dict[str, Any] = {"num_classes": len(summary["class_names"]), "splits": {},
+                              "images": {"num_checked": 0, "error": None}}
+    for split in SPLITS:
+        rows = read_manifest(root / f"{split}.jsonl")
         b = bounds[split]
-        boxes = np.asarray([r["box"] for r in rows], np.float64)
-        sizes = np.asarray([[r["width"], r["height"]] for r in rows], np.float64)
+        boxes = np.asarray([r["box"] for r in rows], np.float64).reshape(-1, 4)
+        sizes = np.asarray([[r["width"], r["height"]] for r in rows], np.float64).reshape(-1, 2)
         fractions = (boxes[:, 2:] - boxes[:, :2]) / sizes
-        worst[f"{split}_fraction_min"] = float(fractions.min())
-        worst[f"{split}_fraction_max"] = float(fractions.max())
         bad = np.flatnonzero(((fractions < b.min_fraction - 1e-9) | (fractions > b.max_fraction + 1e-9)).any(axis=1))
-        if len(bad):
-            failures.append(f"{split}: {len(bad)} boxes outside [{b.min_fraction}, {b.max_fraction}], "
-                            f"first {rows[bad[0]]['id']} {rows[bad[0]]['box']}")
+        result["splits"][split] = {
+            "num_rows": len(rows), "summary_num_images": summary["splits"][split]["num_images"],
+            "class_counts": np.bincount([r["label_index"] for r in rows], minlength=result["num_classes"]).tolist(),
+            "bounds": [b.min_fraction, b.max_fraction],
+            "fraction_min": float(fractions.min()) if len(rows) else None,
+            "fraction_max": float(fractions.max()) if len(rows) else None,
+            "num_outside": len(bad), "first_outside": [rows[bad[0]]["id"], rows[bad[0]]["box"]] if len(bad) else None,
+        }
+        for line_no, row in enumerate(rows, 1):
+            if result["images"]["error"]:
+                break
+            try:
+                pixels = images.get(row, where=f"{split}.jsonl:{line_no}")
+                if pixels.dtype != np.uint8:
+                    raise ValueError(f"{split}.jsonl:{line_no}: image dtype {pixels.dtype}, expected uint8")
+                result["images"]["num_checked"] += 1
+            except (OSError, ValueError) as err:
+                result["images"]["error"] = str(err)
+    return result
+
+
+def boxes_within_bounds(scanned: dict[str, Any]) -> CheckOutcome:
+    worst, failures = {}, []
+    for split, s in scanned["splits"].items():
+        worst[f"{split}_fraction_min"], worst[f"{split}_fraction_max"] = s["fraction_min"], s["fraction_max"]
+        if s["num_outside"]:
+            (lo, hi), (row_id, box) = s["bounds"], s["first_outside"]
+            failures.append(f"{split}: {s['num_outside']} boxes outside [{lo}, {hi}], first {row_id} {box}")
     return CheckOutcome(not failures, "; ".join(failures) or "every box side is within its split's bounds", worst)
 
 
-def classes_balanced(root: Path, tolerance: float, balanced: dict[str, bool]) -> CheckOutcome:
+def classes_balanced(scanned: dict[str, Any], tolerance: float, balanced: dict[str, bool]) -> CheckOutcome:
     """Every class present in every split (a failure); in splits where ``balanced`` says a balanced
     subset was asked for, each class's share within ``tolerance`` of 1/num_classes (a failure),
     elsewhere an imbalance is reported as a warning."""
-    num_classes = len(json.loads((root / "dataset.json").read_text())["class_names"])
+    num_classes = scanned["num_classes"]
     failures, warnings, meta = [], [], {}
-    for split, rows in _rows(root).items():
-        counts = np.bincount([r["label_index"] for r in rows], minlength=num_classes)
-        expected = len(rows) / num_classes
+    for split, s in scanned["splits"].items():
+        counts = np.asarray(s["class_counts"])
+        expected = s["num_rows"] / num_classes
         meta[f"{split}_class_counts"] = counts.tolist()
         if (missing := np.flatnonzero(counts == 0)).size:
             failures.append(f"{split}: classes {missing.tolist()} have no images")
@@ -62,29 +88,21 @@ def classes_balanced(root: Path, tolerance: float, balanced: dict[str, bool]) ->
                         warning=not failures and bool(warnings))
 
 
-def counts_match(root: Path, expected: dict[str, int | None]) -> CheckOutcome:
-    summary = json.loads((root / "dataset.json").read_text())
+def counts_match(scanned: dict[str, Any], expected: dict[str, int | None]) -> CheckOutcome:
     failures, meta = [], {}
-    for split, rows in _rows(root).items():
-        meta[f"num_{split}"] = len(rows)
+    for split, s in scanned["splits"].items():
+        meta[f"num_{split}"] = s["num_rows"]
         want = expected[split]
-        if want is not None and len(rows) != want:
-            failures.append(f"{split}: {len(rows)} rows, config asks for {want}")
-        if len(rows) != summary["splits"][split]["num_images"]:
-            failures.append(f"{split}: {len(rows)} rows, dataset.json says {summary['splits'][split]['num_images']}")
+        if want is not None and s["num_rows"] != want:
+            failures.append(f"{split}: {s['num_rows']} rows, config asks for {want}")
+        if s["num_rows"] != s["summary_num_images"]:
+            failures.append(f"{split}: {s['num_rows']} rows, dataset.json says {s['summary_num_images']}")
     return CheckOutcome(not failures, "; ".join(failures) or "row counts match the config", meta)
 
 
-def images_readable(root: Path) -> CheckOutcome:
-    images = ManifestImages(root)
-    checked = 0
-    for split, rows in _rows(root).items():
-        for line_no, row in enumerate(rows, 1):
-            try:
-                pixels = images.get(row, where=f"{split}.jsonl:{line_no}")
-                if pixels.dtype != np.uint8:
-                    raise ValueError(f"{split}.jsonl:{line_no}: image dtype {pixels.dtype}, expected uint8")
-            except (OSError, ValueError) as err:
-                return CheckOutcome(False, str(err), {"num_checked": checked})
-            checked += 1
-    return CheckOutcome(True, f"all {checked} referenced images are readable", {"num_checked": checked})
+def images_readable(scanned: dict[str, Any]) -> CheckOutcome:
+    images = scanned["images"]
+    if images["error"]:
+        return CheckOutcome(False, images["error"], {"num_checked": images["num_checked"]})
+    return CheckOutcome(True, f"all {images['num_checked']} referenced images are readable",
+                        {"num_checked": images["num_checked"]})

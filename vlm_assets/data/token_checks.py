@@ -20,7 +20,7 @@ SPLITS = ("train", "val")
 class SplitScan:
     num_samples: int = 0
     num_tokens: int = 0
-    min_id: int = np.iinfo(np.int64).max
+    min_id: int = int(np.iinfo(np.int64).max)
     max_id: int = -1
     lengths: set[int] = dataclasses.field(default_factory=set)
     error: str | None = None
@@ -51,49 +51,54 @@ def scan_split(split_dir: Path) -> SplitScan:
     return scan
 
 
-def _summary(root: Path) -> dict[str, Any]:
-    return json.loads((root / "tokens.json").read_text())
-
-
-def ids_within_vocab(root: Path) -> CheckOutcome:
-    vocab = _summary(root)["vocab_size"]
-    failures, meta = [], {"vocab_size": vocab}
+def scan(root: Path) -> dict[str, Any]:
+    """One read of the whole artifact: what every token check needs, as JSON (committed in the
+    artifact's manifest when built, so checks on a cache hit need not read the shards again)."""
+    summary = json.loads((root / "tokens.json").read_text())
+    splits = {}
     for split in SPLITS:
-        scan = scan_split(root / split)
-        if scan.error:
-            failures.append(scan.error)
+        result = scan_split(root / split)
+        splits[split] = {**dataclasses.asdict(result), "lengths": sorted(result.lengths),
+                         "reported": summary["splits"][split]}
+        if not result.error:
+            splits[split]["num_shards"] = len(json.loads((root / split / "index.json").read_text())["shards"])
+    return {"vocab_size": summary["vocab_size"], "max_length": summary["max_length"], "splits": splits}
+
+
+def ids_within_vocab(scanned: dict[str, Any]) -> CheckOutcome:
+    vocab = scanned["vocab_size"]
+    failures, meta = [], {"vocab_size": vocab}
+    for split, s in scanned["splits"].items():
+        if s["error"]:
+            failures.append(s["error"])
             continue
-        meta[f"{split}_max_id"] = scan.max_id
-        if scan.min_id < 0 or scan.max_id >= vocab:
-            failures.append(f"{split}: token ids span [{scan.min_id}, {scan.max_id}], outside [0, {vocab})")
+        meta[f"{split}_max_id"] = s["max_id"]
+        if s["min_id"] < 0 or s["max_id"] >= vocab:
+            failures.append(f"{split}: token ids span [{s['min_id']}, {s['max_id']}], outside [0, {vocab})")
     return CheckOutcome(not failures, "; ".join(failures) or f"all token ids are within [0, {vocab})", meta)
 
 
-def counts_match(root: Path) -> CheckOutcome:
-    summary = _summary(root)
+def counts_match(scanned: dict[str, Any]) -> CheckOutcome:
     failures, meta = [], {}
-    for split in SPLITS:
-        scan = scan_split(root / split)
-        if scan.error:
-            failures.append(scan.error)
+    for split, s in scanned["splits"].items():
+        if s["error"]:
+            failures.append(s["error"])
             continue
-        reported = summary["splits"][split]
-        meta[f"{split}_num_samples"], meta[f"{split}_num_tokens"] = scan.num_samples, scan.num_tokens
-        if (scan.num_samples, scan.num_tokens) != (reported["num_samples"], reported["num_tokens"]):
-            failures.append(f"{split}: shards hold {scan.num_samples} samples / {scan.num_tokens} tokens, "
+        reported = s["reported"]
+        meta[f"{split}_num_samples"], meta[f"{split}_num_tokens"] = s["num_samples"], s["num_tokens"]
+        if (s["num_samples"], s["num_tokens"]) != (reported["num_samples"], reported["num_tokens"]):
+            failures.append(f"{split}: shards hold {s['num_samples']} samples / {s['num_tokens']} tokens, "
                             f"tokens.json reports {reported['num_samples']} / {reported['num_tokens']}")
-        if scan.lengths != {summary["max_length"]}:
-            failures.append(f"{split}: sample lengths {sorted(scan.lengths)}, expected {summary['max_length']}")
+        if s["lengths"] != [scanned["max_length"]]:
+            failures.append(f"{split}: sample lengths {s['lengths']}, expected {scanned['max_length']}")
     return CheckOutcome(not failures, "; ".join(failures) or "sample and token counts match tokens.json", meta)
 
 
-def shards_readable(root: Path) -> CheckOutcome:
+def shards_readable(scanned: dict[str, Any]) -> CheckOutcome:
     failures, meta = [], {}
-    for split in SPLITS:
-        index = root / split / "index.json"
-        scan = scan_split(root / split)
-        if scan.error:
-            failures.append(scan.error)
+    for split, s in scanned["splits"].items():
+        if s["error"]:
+            failures.append(s["error"])
         else:
-            meta[f"{split}_num_shards"] = len(json.loads(index.read_text())["shards"])
+            meta[f"{split}_num_shards"] = s["num_shards"]
     return CheckOutcome(not failures, "; ".join(failures) or "every shard decodes", meta)

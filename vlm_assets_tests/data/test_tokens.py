@@ -96,19 +96,21 @@ def test_checks_catch_bad_shards(tokenizer, shakespeare, tmp_path):
     root = tmp_path / "art"
     write_token_shards(root, tokenizer, "gpt2", train[:500], val, max_length=32, max_train_samples=None,
                        max_val_samples=20, size_limit=1 << 14)
-    assert token_checks.ids_within_vocab(root).passed
-    assert token_checks.counts_match(root).passed and token_checks.shards_readable(root).passed
+    scanned = token_checks.scan(root)
+    assert json.loads(json.dumps(scanned)) == scanned  # committed in the manifest as JSON
+    assert token_checks.ids_within_vocab(scanned).passed
+    assert token_checks.counts_match(scanned).passed and token_checks.shards_readable(scanned).passed
 
     summary = json.loads((root / "tokens.json").read_text())
     summary["vocab_size"] = 1000  # claims a vocabulary the shards exceed
     summary["splits"]["val"]["num_samples"] += 1
     (root / "tokens.json").write_text(json.dumps(summary))
-    outcome = token_checks.ids_within_vocab(root)
+    outcome = token_checks.ids_within_vocab(token_checks.scan(root))
     assert not outcome.passed and "outside [0, 1000)" in outcome.description
-    outcome = token_checks.counts_match(root)
+    outcome = token_checks.counts_match(token_checks.scan(root))
     assert not outcome.passed and "val: shards hold 20 samples" in outcome.description
 
     shard = sorted((root / "train").glob("shard.*.mds"))[1]
     shard.write_bytes(shard.read_bytes()[:100])
-    outcome = token_checks.shards_readable(root)
+    outcome = token_checks.shards_readable(token_checks.scan(root))
     assert not outcome.passed and f"{shard.name}: unreadable shard" in outcome.description

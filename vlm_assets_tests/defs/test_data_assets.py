@@ -149,6 +149,11 @@ def test_checks_guard_a_cached_artifact_that_was_damaged(embedded, offline_data)
     # two rows fewer keeps every class within the 10 % balance tolerance: that check still passes
     assert checks_passed(second) == {"boxes_within_configured_bounds": False, "counts_match_config": False,
                                      "every_class_present_and_balanced": True, "every_image_readable": False}
+    # the cheap size check on the hit found the damage, so the checks read the content again
+    sources = {e.metadata["scan"].value for e in second.get_asset_check_evaluations()}
+    assert sources == {"full scan (images/validation.npy: listed in the manifest but missing; "
+                       f"train.jsonl: {manifest.stat().st_size} bytes, the manifest says "
+                       f"{embedded.store.read_manifest(materialization(first).metadata['cache_key'].value).files['train.jsonl']['size']})"}
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -185,6 +190,11 @@ def test_token_shards_asset_and_checks(embedded, offline_data):
     assert all(checks_passed(result).values()) and len(checks_passed(result)) == 3
     again = embedded.materialize(TOKENS, tokens_config(offline_data))
     assert materialization(again, "token_shards").metadata["cache"].value == "hit"
+    # built: the checks judged the scan the build recorded; hit: the same scan after a size check
+    for run in (result, again):
+        assert {e.metadata["scan"].value for e in run.get_asset_check_evaluations()} == {
+            "recorded when built (file sizes verified)"}
+    assert checks_passed(again) == checks_passed(result)
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -21,6 +21,7 @@ from vlm_assets.data.image_sources import (
 )
 from vlm_assets.data.occlusion import BoxBounds, write_occlusion_manifests
 from vlm_assets.data.preview import occlusion_preview
+from vlm_assets.defs.platform.checks import artifact_scan, check_result
 from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
@@ -117,6 +118,7 @@ def occlusion_manifests(
         occlusion_preview(staging).save(preview)
         run.log_artifact(str(preview))
         return Built(
+            scan=occlusion_checks.scan(staging, bounds),
             metrics={"num_train": splits["train"]["num_images"], "num_validation": splits["validation"]["num_images"]},
             metadata={"dataset": summary["name"], "class_names": ", ".join(summary["class_names"]),
                       "image_size": f"{splits['train']['width']}x{splits['train']['height']}x{splits['train']['channels']}"},
@@ -127,12 +129,9 @@ def occlusion_manifests(
     return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build)
 
 
-def _outcome(result: occlusion_checks.CheckOutcome) -> dg.AssetCheckResult:
-    return dg.AssetCheckResult(passed=result.passed, description=result.description, metadata=result.metadata)
-
-
-def _root(ref: ArtifactRef, artifact_store: ArtifactStoreResource) -> Path:
-    return artifact_store.get_store().local_path(ref.key)
+def _scan(ref: ArtifactRef, artifact_store: ArtifactStoreResource) -> tuple[dict, str]:
+    bounds = _config(ref).box_bounds()
+    return artifact_scan(ref, artifact_store.get_store(), lambda root: occlusion_checks.scan(root, bounds))
 
 
 def _config(ref: ArtifactRef) -> OcclusionManifestsConfig:
@@ -144,8 +143,8 @@ def boxes_within_configured_bounds(
     occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource
 ) -> dg.AssetCheckResult:
     """Every box's width and height fractions lie within the configured bounds of its split."""
-    bounds = _config(occlusion_manifests).box_bounds()
-    return _outcome(occlusion_checks.boxes_within_bounds(_root(occlusion_manifests, artifact_store), bounds))
+    scanned, source = _scan(occlusion_manifests, artifact_store)
+    return check_result(occlusion_checks.boxes_within_bounds(scanned), source)
 
 
 @dg.asset_check(asset=occlusion_manifests, blocking=True)
@@ -157,21 +156,21 @@ def every_class_present_and_balanced(
     class histogram is reported and an imbalance is only a warning (nothing balanced was promised)."""
     asked = _config(occlusion_manifests)
     balanced = {"train": asked.num_train is not None, "validation": asked.num_validation is not None}
-    result = occlusion_checks.classes_balanced(_root(occlusion_manifests, artifact_store), config.balance_tolerance,
-                                               balanced)
-    return dg.AssetCheckResult(passed=result.passed, description=result.description, metadata=result.metadata,
-                               severity=dg.AssetCheckSeverity.WARN if result.warning else dg.AssetCheckSeverity.ERROR)
+    scanned, source = _scan(occlusion_manifests, artifact_store)
+    return check_result(occlusion_checks.classes_balanced(scanned, config.balance_tolerance, balanced), source)
 
 
 @dg.asset_check(asset=occlusion_manifests, blocking=True)
 def counts_match_config(occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
     """Row counts equal num_train / num_validation (when set) and the artifact's own summary."""
     config = _config(occlusion_manifests)
-    expected = {"train": config.num_train, "validation": config.num_validation}
-    return _outcome(occlusion_checks.counts_match(_root(occlusion_manifests, artifact_store), expected))
+    scanned, source = _scan(occlusion_manifests, artifact_store)
+    return check_result(occlusion_checks.counts_match(scanned, {"train": config.num_train,
+                                                                "validation": config.num_validation}), source)
 
 
 @dg.asset_check(asset=occlusion_manifests, blocking=True)
 def every_image_readable(occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
     """Every image a manifest row references exists, decodes, and has the size the row states."""
-    return _outcome(occlusion_checks.images_readable(_root(occlusion_manifests, artifact_store)))
+    scanned, source = _scan(occlusion_manifests, artifact_store)
+    return check_result(occlusion_checks.images_readable(scanned), source)

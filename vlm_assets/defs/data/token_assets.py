@@ -6,6 +6,7 @@ from typing import Literal, Self
 import dagster as dg
 from pydantic import Field, model_validator
 
+from vlm_assets.defs.platform.checks import artifact_scan, check_result
 from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
@@ -54,6 +55,7 @@ def token_shards(
     ``labels`` as int32) plus the tokenizer. Stream it back with
     ``vlm_assets.data.token_stream.build_token_dataloaders``."""
     def build(staging: Path, run: TrackedRun) -> Built:
+        from vlm_assets.data import token_checks
         from vlm_assets.data.token_shards import (
             hf_documents,
             load_gpt2_tokenizer,
@@ -75,6 +77,7 @@ def token_shards(
         )
         splits = summary["splits"]
         return Built(
+            scan=token_checks.scan(staging),
             metrics={f"{split}_{k}": v for split, stats in splits.items() for k, v in stats.items()},
             metadata={"vocab_size": summary["vocab_size"], "max_length": summary["max_length"]},
         )
@@ -82,8 +85,10 @@ def token_shards(
     return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build)
 
 
-def _outcome(result) -> dg.AssetCheckResult:
-    return dg.AssetCheckResult(passed=result.passed, description=result.description, metadata=result.metadata)
+def _scan(ref: ArtifactRef, artifact_store: ArtifactStoreResource) -> tuple[dict, str]:
+    from vlm_assets.data import token_checks
+
+    return artifact_scan(ref, artifact_store.get_store(), token_checks.scan)
 
 
 @dg.asset_check(asset=token_shards, blocking=True)
@@ -91,7 +96,8 @@ def token_ids_within_vocab(token_shards: ArtifactRef, artifact_store: ArtifactSt
     """Every token id of every sample is in [0, vocab_size)."""
     from vlm_assets.data import token_checks
 
-    return _outcome(token_checks.ids_within_vocab(artifact_store.get_store().local_path(token_shards.key)))
+    scanned, source = _scan(token_shards, artifact_store)
+    return check_result(token_checks.ids_within_vocab(scanned), source)
 
 
 @dg.asset_check(asset=token_shards, blocking=True)
@@ -99,7 +105,8 @@ def token_counts_match_summary(token_shards: ArtifactRef, artifact_store: Artifa
     """Sample and token counts (and block lengths) in the shards equal what tokens.json reports."""
     from vlm_assets.data import token_checks
 
-    return _outcome(token_checks.counts_match(artifact_store.get_store().local_path(token_shards.key)))
+    scanned, source = _scan(token_shards, artifact_store)
+    return check_result(token_checks.counts_match(scanned), source)
 
 
 @dg.asset_check(asset=token_shards, blocking=True)
@@ -107,4 +114,5 @@ def every_shard_readable(token_shards: ArtifactRef, artifact_store: ArtifactStor
     """Every MDS shard of both splits opens and every sample decodes."""
     from vlm_assets.data import token_checks
 
-    return _outcome(token_checks.shards_readable(artifact_store.get_store().local_path(token_shards.key)))
+    scanned, source = _scan(token_shards, artifact_store)
+    return check_result(token_checks.shards_readable(scanned), source)

@@ -63,11 +63,13 @@ def bad_input_fails_fast() -> Iterator[None]:
 @dataclasses.dataclass
 class Built:
     """What an asset's build step reports: numbers for MLflow and Dagster, extra Dagster metadata,
-    and markdown (tables, inlined images) for the Dagster UI."""
+    markdown (tables, inlined images) for the Dagster UI, and the content scan its checks judge
+    (committed in the manifest: see ``vlm_assets.defs.platform.checks``)."""
 
     metrics: dict[str, float]
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     markdown: dict[str, str] = dataclasses.field(default_factory=dict)
+    scan: dict[str, Any] | None = None
 
 
 def artifact_key(context: dg.AssetExecutionContext, config: dg.Config, upstream: Mapping[str, ArtifactRef]) -> str:
@@ -150,6 +152,7 @@ def _build(
             ref = store.commit(key, staging, metadata={
                 "metrics": built.metrics, "metadata": built.metadata, "markdown": built.markdown, "config": config.identity(),
                 "mlflow_run_id": run.run_id, "upstream": {k: r.data_version for k, r in upstream.items()},
+                **({"scan": built.scan} if built.scan is not None else {}),
             })
     context.log.info(f"committed {ref.uri} (data version {ref.data_version})")
     return _output(ref, "miss", time.perf_counter() - started, config)
