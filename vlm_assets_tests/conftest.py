@@ -20,6 +20,9 @@ from PIL import Image
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# In-process tests give their config over the seed defaults (the config classes' own); the demo
+# profile's defaults are tested by loading the code location in a subprocess and by `main_job`.
+os.environ["VLM_ASSETS_PROFILE"] = "seed"
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,14 @@
 """Load every definition the way `dagster dev -w workspace.yaml` does, and pin what it contains."""
 
-import dagster as dg
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from vlm_assets.defs.jobs import profile_run_config
+import dagster as dg
+import pytest
+
 from vlm_assets.defs.platform.environment import profile, resources_for
 
 
@@ -48,9 +54,60 @@ def test_environment_switches(tmp_path, monkeypatch):
     assert profile({"VLM_ASSETS_PROFILE": "seed"}) == "seed" and profile({}) == "demo"
 
 
-def test_demo_profile_config_is_valid_for_the_job():
-    from vlm_assets.definitions import defs
+def _defaults_in_a_fresh_process(profile_name: str, extra_code: str = "") -> subprocess.CompletedProcess:
+    code = f"""
+import json, dagster as dg
+from vlm_assets.definitions import defs
+{extra_code}
+d = defs()
+asset_job = d.resolve_implicit_global_asset_job_def()  # what the UI's Materialize buttons run
+main = d.resolve_job_def("main_job")
+ops = lambda job: {{k: v.get("config") for k, v in job.run_config_schema.config_type.fields["ops"].default_value.items()}}
+print(json.dumps({{"main": ops(main), "ui": ops(asset_job)}}))
+"""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "VLM_ASSETS_PROFILE": profile_name})
 
-    job = defs().resolve_job_def("main_job")
-    for name in ("demo", "seed"):
-        dg.validate_run_config(job, profile_run_config(name))  # raises on a config the job rejects
+
+@pytest.mark.parametrize("name", ["demo", "seed"])
+def test_ui_materialize_and_main_job_use_the_active_profile(name):
+    from vlm_assets.defs.platform.profiles import profile_defaults
+
+    proc = _defaults_in_a_fresh_process(name)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    defaults = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert defaults["ui"] == defaults["main"]
+    ops = defaults["main"]
+    assert ops["token_shards"]["source"] == ("text_files" if name == "demo" else "hf")
+    assert ops["occlusion_manifests"]["source"] == ("fashion_mnist" if name == "demo" else "cifar10")
+    assert ops["gpt_checkpoint"]["num_nodes"] == (2 if name == "demo" else 1)
+    assert ops["eval_report_adapter_accuracy_meets_threshold"]["min_accuracy"] == (0.3 if name == "demo" else 0.5)
+    classes = {"occlusion_manifests": "OcclusionManifestsConfig", "token_shards": "TokenShardsConfig",
+               "gpt_checkpoint": "GPTCheckpointConfig", "occlusion_adapter": "OcclusionAdapterConfig",
+               "eval_report": "EvalReportConfig", "eval_report_adapter_accuracy_meets_threshold": "AccuracyCheckConfig"}
+    for op, cls in classes.items():
+        for field, value in profile_defaults(name).get(cls, {}).items():
+            assert ops[op][field] == value, (op, field)
+
+
+def test_a_profile_value_a_field_rejects_fails_the_load_naming_it():
+    patch = ("import vlm_assets.defs.platform.profiles as p\n"
+             "real = p.profile_defaults\n"
+             "p.profile_defaults = lambda n: {**real(n), 'GPTCheckpointConfig': {**real(n)['GPTCheckpointConfig'], 'lr': -1.0}}")
+    proc = _defaults_in_a_fresh_process("demo", patch)
+    assert proc.returncode != 0
+    assert "ValueError: profile 'demo': config of GPTCheckpointConfig: field lr: Input should be greater than 0" in proc.stderr
+
+
+def test_training_steps_share_one_pool_sized_by_the_instance(tmp_path):
+    from vlm_assets.definitions import defs
+    from vlm_assets.defs.platform.launcher import TRAINING_POOL
+
+    definitions = defs()
+    pools = {k.to_user_string(): definitions.resolve_assets_def(k).op.pool for k in definitions.resolve_all_asset_keys()}
+    assert {k for k, pool in pools.items() if pool == TRAINING_POOL} == {"gpt_checkpoint", "occlusion_adapter"}
+    assert {pool for k, pool in pools.items() if pool != TRAINING_POOL} == {None}
+    (tmp_path / "dagster.yaml").write_text((Path(__file__).resolve().parents[2] / "dagster.yaml").read_text())
+    instance = dg.DagsterInstance.from_config(str(tmp_path))
+    assert instance.event_log_storage.get_concurrency_info(TRAINING_POOL).limit == 1
+    assert instance.get_concurrency_config().run_queue_config.max_concurrent_runs == 2

@@ -23,6 +23,7 @@ from vlm_assets.data.occlusion import BoxBounds, write_occlusion_manifests
 from vlm_assets.data.preview import occlusion_preview
 from vlm_assets.defs.platform.checks import artifact_scan, check_result
 from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
+from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.paths import cache_dir
@@ -68,7 +69,7 @@ class OcclusionManifestsConfig(AssetConfig):
         return self
 
 
-class BalanceCheckConfig(dg.Config):
+class BalanceCheckConfig(ProfileDefaults, dg.Config):
     balance_tolerance: float = Field(default=0.1, ge=0, lt=1, description=(
         "Each class's share may deviate this much (relative) from 1/num_classes where a balanced subset "
         "was asked for (num_train / num_validation set)."))

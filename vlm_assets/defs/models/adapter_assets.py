@@ -8,7 +8,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from vlm_assets.defs.platform.launcher import TrainingLauncher
+from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher
 from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
@@ -59,7 +59,7 @@ def resolve_backbone(config: OcclusionAdapterConfig, store: ArtifactStore, manif
     return str(store.local_path(key) / "model")
 
 
-@dg.asset(code_version="1", kinds={"pytorch", "lightning"}, group_name="models",
+@dg.asset(code_version="1", kinds={"pytorch", "lightning"}, group_name="models", pool=TRAINING_POOL,
           retry_policy=dg.RetryPolicy(max_retries=2, delay=2))
 def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapterConfig,
                       occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource,

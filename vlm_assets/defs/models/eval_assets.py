@@ -8,6 +8,7 @@ import dagster as dg
 from pydantic import Field
 
 from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
+from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.storage import ArtifactRef
@@ -19,7 +20,7 @@ class EvalReportConfig(AssetConfig):
     num_cards: int = Field(default=24, ge=0, description="Prediction cards in the HTML report.")
 
 
-class AccuracyCheckConfig(dg.Config):
+class AccuracyCheckConfig(ProfileDefaults, dg.Config):
     min_accuracy: float = Field(default=0.5, ge=0, le=1, description=(
         "Exact-match accuracy with the adapter must reach this (a check setting: changing it re-runs the check only)."))
 

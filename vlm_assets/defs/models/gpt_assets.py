@@ -17,8 +17,9 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from vlm_assets.defs.platform.launcher import TrainingLauncher
+from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher
 from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized
+from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.launch import LaunchSpec
@@ -34,7 +35,7 @@ class GPTCheckpointConfig(PretrainConfig, AssetConfig):
     """``PretrainConfig`` as the asset's config: the same fields, constraints and defaults."""
 
 
-class ValLossCheckConfig(dg.Config):
+class ValLossCheckConfig(ProfileDefaults, dg.Config):
     min_val_loss_gain: float = Field(default=1.0, ge=0, description=(
         "Val loss must be at least this many nats below ln(vocab size) (the loss of a uniform guess)."))
 
@@ -44,6 +45,7 @@ class ValLossCheckConfig(dg.Config):
     kinds={"pytorch", "lightning"},
     group_name="models",
     retry_policy=dg.RetryPolicy(max_retries=2, delay=2),
+    pool=TRAINING_POOL,
 )
 def gpt_checkpoint(
     context: dg.AssetExecutionContext,

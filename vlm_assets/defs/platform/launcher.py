@@ -15,6 +15,12 @@ from pydantic import Field
 
 from vlm_assets.launch import LaunchFailed, LaunchSpec, run_local
 
+# The Dagster concurrency pool of every training step: its limit (dagster.yaml
+# ``concurrency.pools.default_limit``, or ``dagster instance concurrency set vlm_training N``) is how
+# many training steps may hold the machine's (or the cluster quota's) GPUs at once across all runs,
+# so a schedule tick and a UI launch queue instead of oversubscribing them.
+TRAINING_POOL = "vlm_training"
+
 
 class TrainingLauncher(dg.ConfigurableResource, ABC):
     @abstractmethod

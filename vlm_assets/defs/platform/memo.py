@@ -24,6 +24,7 @@ from typing import Any
 import dagster as dg
 import pydantic
 
+from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.memo import cache_key
@@ -32,7 +33,7 @@ from vlm_assets.storage.lease import Lease, holder_record
 from vlm_assets.train.run_config import Settings, describe_validation_error
 
 
-class AssetConfig(Settings, dg.Config):
+class AssetConfig(ProfileDefaults, Settings, dg.Config):
     """An asset's config: identity fields (the cache key) and run fields (``run_field``: metadata only).
 
     Constraints live on the fields and in pydantic validators; a value that cannot be honoured fails

@@ -1,0 +1,73 @@
+"""Run profiles as config defaults, so every way of launching an asset uses the active profile.
+
+``seed`` = the defaults written in the config classes (official CIFAR-10, wikitext-103, gpt2 from the
+hub, full-size training). ``demo`` = the real offline data of ``scripts/fetch-offline-data.sh`` at
+small scale; its values replace those defaults when the code location loads with
+``VLM_ASSETS_PROFILE=demo`` (the default). Because they are the config classes' defaults, `main_job`,
+the UI's "Materialize" buttons, `dagster asset materialize` and the schedule all run the same thing,
+and a value given in run config still wins. A demo value a field rejects fails the load, naming it.
+"""
+
+from typing import Any
+
+import dagster as dg
+import pydantic
+
+from vlm_assets.defs.platform.environment import profile
+from vlm_assets.paths import offline_data_dir
+
+
+def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
+    """Config class name -> field defaults of the profile (empty for ``seed``)."""
+    if name == "seed":
+        return {}
+    data = offline_data_dir()
+    return {
+        "OcclusionManifestsConfig": {
+            "source": "fashion_mnist", "source_uri": str(data / "fashion-mnist"),
+            "num_train": 2000, "num_validation": 500,
+        },
+        "TokenShardsConfig": {
+            "source": "text_files", "text_glob": str(data / "shakespeare" / "*.txt"),
+            "tokenizer": str(data / "gpt2-tokenizer"), "max_length": 128,
+        },
+        # Two nodes of one process each (two torchrun agents on loopback), as a cluster would run it.
+        "GPTCheckpointConfig": {
+            "preset": "tiny", "strategy": "ddp", "num_nodes": 2, "nproc_per_node": 1,
+            "micro_batch_size": 4, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "max_steps": 40,
+            "val_check_interval": 20, "val_batches": 8, "checkpoint_every": 20, "log_every": 10,
+        },
+        # A tiny Qwen2.5-VL that first learns the clean task (no hub here), then the adapter at 56 px
+        # on 2 processes.
+        "OcclusionAdapterConfig": {
+            "backbone": "tiny-clean", "clean_backbone_steps": 400, "image_size": 56, "epochs": 3, "lr": 5e-3,
+            "micro_batch_size": 8, "global_batch_size": 16, "nproc_per_node": 2, "num_train": 480,
+        },
+        "EvalReportConfig": {"num_samples": 200, "batch_size": 50, "num_cards": 24},
+        # Check settings are the checks' own config: changing one re-runs the check, not the asset.
+        "AccuracyCheckConfig": {"min_accuracy": 0.3},
+    }
+
+
+class ProfileDefaults(pydantic.BaseModel):
+    """Mixed into asset and check configs: the active profile's values become the field defaults."""
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        overrides = profile_defaults(profile()).get(cls.__name__)
+        if not overrides:
+            return
+        from vlm_assets.train.run_config import describe_validation_error
+
+        for field, value in overrides.items():
+            if field not in cls.model_fields:
+                raise ValueError(f"profile {profile()!r}: {cls.__name__} has no field {field!r}")
+            cls.model_fields[field].default = value
+        cls.model_rebuild(force=True)
+        try:  # defaults are not validated by pydantic: validate the profile's once, here
+            cls.model_validate(overrides)
+        except pydantic.ValidationError as err:
+            raise ValueError(describe_validation_error(err, f"profile {profile()!r}: config of {cls.__name__}")) from None
+        except dg.Failure as err:  # an AssetConfig turns its validation errors into step failures
+            raise ValueError(f"profile {profile()!r}: {err.description}") from None
