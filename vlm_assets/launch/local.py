@@ -5,6 +5,7 @@ at a rendezvous endpoint on loopback, exactly as two machines would. Worker outp
 by line (prefixed with the node) to a callback. If any node fails, every other node is stopped, and
 the whole process tree (torchrun starts each worker in its own session, so killing the agent's
 process group is not enough) is collected first, signalled with SIGTERM, then SIGKILL: no orphans.
+If the calling process itself dies, the kernel ends the agents and workers (``lifeline``).
 """
 
 import collections
@@ -51,21 +52,26 @@ def free_port() -> int:
 
 
 def torchrun_command(spec: LaunchSpec, endpoint: str, run_id: str) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run",
+    """torchrun for one node; agent and workers die with their parent (``lifeline``)."""
+    # Imported here, not at the top: `python -m vlm_assets.launch.lifeline` imports this package
+    # first, and runpy warns when the module it is about to run as __main__ was imported already.
+    from vlm_assets.launch.lifeline import worker_entry, wrap_agent
+
+    return wrap_agent([
         f"--nnodes={spec.num_nodes}", f"--nproc-per-node={spec.nproc_per_node}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
         f"--rdzv-conf=join_timeout={spec.rendezvous_timeout_s}",
         "--max-restarts=0",  # a failed job is retried by the orchestrator, from the last checkpoint
-        "-m", spec.module, *spec.args,
-    ]
+        *worker_entry(spec.module), *spec.args,
+    ])
 
 
 def run_local(spec: LaunchSpec, on_line: Callable[[str], None] = print, env: Mapping[str, str] | None = None) -> None:
     """Run ``spec`` to completion on this machine; raise ``LaunchFailed`` if any node fails or it times out."""
     endpoint = f"127.0.0.1:{free_port()}"
     run_id = uuid.uuid4().hex[:12]
-    full_env = {**os.environ, **(env or {}), **spec.env, "PYTHONUNBUFFERED": "1"}
+    full_env = {**os.environ, **(env or {}), **spec.env, "PYTHONUNBUFFERED": "1",
+                "VLM_ASSETS_LIFELINE_PARENT": str(os.getpid())}  # lifeline.PARENT_ENV
     if spec.num_nodes > 1:
         full_env[SHARED_HOST_ENV] = "1"  # every "node" is on this host: see vlm_assets._streaming
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()

@@ -146,6 +146,10 @@ class ArtifactStore(ABC):
         return Lease(self, key, holder, ttl_s, log)
 
     @abstractmethod
+    def list_leases(self) -> list[LeaseState]:
+        """Every lease record in the store (its ``holder["key"]`` names the key)."""
+
+    @abstractmethod
     def lease_create(self, key: str, body: bytes) -> str | None:
         """Create the lease record if absent: its token, or None if one exists."""
 
@@ -268,6 +272,10 @@ class LocalArtifactStore(ArtifactStore):
         path = self._lease_path(key)
         with _flock(path.with_suffix(".guard")):
             yield path
+
+    def list_leases(self) -> list[LeaseState]:
+        leases = (self.root / ".leases").glob("*.json")
+        return [state for path in sorted(leases) if (state := self._lease_state(path)) is not None]
 
     def lease_create(self, key: str, body: bytes) -> str | None:
         with self._lease_guard(key) as path:

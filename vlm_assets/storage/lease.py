@@ -4,8 +4,9 @@ A lease is a small JSON object beside the artifacts (``.leases/<key>.json``) nam
 id, host, pid, since when). It is created only if absent (local: ``O_CREAT|O_EXCL``; S3: a PUT with
 ``If-None-Match: *``), renewed by its holder every ``ttl_s / 3`` while the work runs (local: the
 file's mtime; S3: a conditional PUT on the holder's ETag), and removed on release. A holder that
-died stops renewing: once the lease is older than ``ttl_s`` the next attempt removes it (the removal
-is itself conditional, so two attempts cannot both take it over) and goes on.
+died stops renewing: once the lease is older than ``ttl_s`` (or at once, when its holder ran on this host and its
+process is gone) the next attempt removes it (the removal is itself conditional, so two attempts
+cannot both take it over) and goes on.
 
 Dagster has no cross-run lock: its pools limit how many steps run at once, not which key they build,
 and a pool slot is freed when the run worker dies, not when its orphaned workers do.
@@ -31,6 +32,21 @@ class LeaseState:
     holder: dict[str, Any]
     age_s: float
     token: str
+
+    def holder_dead_here(self) -> bool:
+        """The holder ran on this host and its process is gone: dead now, no need to wait for the ttl."""
+        if self.holder.get("host") != socket.gethostname() or not isinstance(self.holder.get("pid"), int):
+            return False
+        try:
+            os.kill(self.holder["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            return False
+        return False
+
+    def expired(self, ttl_s: float) -> bool:
+        return self.age_s > ttl_s or self.holder_dead_here()
 
     def describe(self) -> str:
         h = self.holder
@@ -65,11 +81,12 @@ class Lease:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self.lost = False
+        self.taken_over: LeaseState | None = None  # the expired lease this attempt replaced, if any
 
     def try_acquire(self) -> LeaseState | None:
         """Take the lease: None when taken (and renewed from now on), else the live holder's state.
         An expired lease is removed first (its holder stopped renewing: it is dead or cut off)."""
-        body = json.dumps(self.holder).encode()
+        body = json.dumps({**self.holder, "key": self.key}).encode()
         for _ in range(3):
             token = self.backend.lease_create(self.key, body)
             if token is not None:
@@ -80,10 +97,12 @@ class Lease:
             state = self.backend.lease_read(self.key)
             if state is None:
                 continue  # released between our create and read: try again
-            if state.age_s <= self.ttl_s:
+            if not state.expired(self.ttl_s):
                 return state
-            self.log(f"lease on {self.key} expired ({state.describe()}; ttl {self.ttl_s:.0f} s): taking it over")
+            why = "its process is gone" if state.holder_dead_here() else f"ttl {self.ttl_s:.0f} s"
+            self.log(f"lease on {self.key} expired ({state.describe()}; {why}): taking it over")
             self.backend.lease_remove(self.key, state.token)
+            self.taken_over = state
         return self.backend.lease_read(self.key)
 
     def _renew_loop(self) -> None:

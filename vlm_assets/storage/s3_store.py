@@ -145,6 +145,15 @@ class S3ArtifactStore(ArtifactStore):
     def _lease_key(self, key: str) -> str:
         return self._object_key(".leases", key.strip("/").replace("/", "__") + ".json")
 
+    def list_leases(self) -> list[LeaseState]:
+        prefix, states = self._object_key(".leases") + "/", []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                key = obj["Key"][len(prefix):].removesuffix(".json").replace("__", "/")
+                if (state := self.lease_read(key)) is not None:
+                    states.append(state)
+        return states
+
     def lease_create(self, key: str, body: bytes) -> str | None:
         try:
             return self.client.put_object(Bucket=self.bucket, Key=self._lease_key(key), Body=body,

@@ -124,7 +124,8 @@ def train(config: AdapterTrainConfig, paths: RunPaths, rank: int, reporter: Repo
                for data, shuffle in ((train_data, True), (val_data, False))]
     reporter.log(f"adapter on frozen {backbone}: {len(train_data)} train / {len(val_data)} val samples, "
                  + (f"resuming from {resume[0]}" if resume else "starting from scratch"))
-    trainer.fit(module, *loaders, ckpt_path=str(resume[1]) if resume else None)
+    trainer.fit(module, *loaders, ckpt_path=str(resume[1]) if resume else None,
+                weights_only=False)  # our own full checkpoint, its sha256 verified against the manifest
     if rank == 0:
         out = Path(paths.out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -63,12 +63,27 @@ class StoreCheckpoint(L.Callback):
         if trainer.global_step != self._last_saved:
             self.save(trainer)
 
+    def _drop_if_damaged(self, key: str) -> None:
+        """A commit never replaces a complete artifact (the first commit of a key wins), so a damaged
+        checkpoint this resumed run is about to write again is removed first. An intact one stays:
+        it holds the same step of the same deterministic run."""
+        if not self.store.exists(key):
+            return
+        try:
+            self.store.verify(key)
+        except CorruptArtifactError as err:
+            self.report(f"replacing damaged checkpoint {key}: {err}")
+            self.store.delete(key)
+
     def save(self, trainer: L.Trainer) -> None:
         step = trainer.global_step
         local = self.staging / f"step-{step:08d}"
-        trainer.save_checkpoint(local / CHECKPOINT_FILE)  # collective; rank 0 writes one consolidated file
+        # Collective; rank 0 writes one consolidated file. Full state (optimizer, loops, callbacks,
+        # streaming position), so not weights-only.
+        trainer.save_checkpoint(local / CHECKPOINT_FILE, weights_only=False)
         if trainer.is_global_zero:
             key = step_key(self.prefix, step)
+            self._drop_if_damaged(key)
             ref = self.store.commit(key, local, metadata={"step": step, "epoch": trainer.current_epoch})
             shutil.rmtree(local, ignore_errors=True)
             for old in self.store.list_complete(self.prefix)[: -self.keep_last]:

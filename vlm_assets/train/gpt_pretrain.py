@@ -86,7 +86,8 @@ def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, report
     reporter.log(f"GPT {config.preset} ({model_config}), {config.strategy} on {world} process(es), "
                  f"accumulation {config.accumulation(world)}, lr {lr}, "
                  + (f"resuming from {resume[0]}" if resume else "starting from scratch"))
-    trainer.fit(module, datamodule=data, ckpt_path=str(resume[1]) if resume else None)
+    trainer.fit(module, datamodule=data, ckpt_path=str(resume[1]) if resume else None,
+                weights_only=False)  # our own full checkpoint, its sha256 verified against the manifest
     tokens_per_s = history.tokens_per_s(trainer.global_step)
     final_val = trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"]
 

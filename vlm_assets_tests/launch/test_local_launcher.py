@@ -61,3 +61,40 @@ def test_bad_specs_are_refused():
         LaunchSpec("not a module; rm -rf /")
     with pytest.raises(ValueError, match="num_nodes"):
         LaunchSpec(WORKER, num_nodes=0)
+
+
+STEP = """
+import sys
+from vlm_assets.launch import LaunchSpec, run_local
+spec = LaunchSpec("vlm_assets_tests.launch.allreduce_worker", ("--hang",), num_nodes=2, nproc_per_node=2,
+                  env={"OMP_NUM_THREADS": "1"}, timeout_s=600)
+run_local(spec, on_line=lambda line: (sys.stdout.write(line + "\\n"), sys.stdout.flush()))
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_launching_process_ends_every_agent_and_worker():
+    """No ``finally:`` runs on SIGKILL: the kernel's parent-death signals end the agents, then the workers."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from vlm_assets.launch.local import process_tree
+
+    step = subprocess.Popen([sys.executable, "-c", STEP], stdout=subprocess.PIPE, text=True)
+    seen = []
+    for line in step.stdout:
+        seen.append(line)
+        if len(_pids(seen)) == 4:  # both nodes' workers are up and in their hang
+            break
+    tree = [pid for pid in process_tree(step.pid) if pid != step.pid]
+    workers = _pids(seen)
+    assert set(workers) <= set(tree) and len(tree) >= 6  # 2 agents + 4 workers (+ torch helpers)
+    os.kill(step.pid, signal.SIGKILL)
+    step.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in tree if _alive(pid)], "an agent or worker outlived its step"

@@ -164,15 +164,16 @@ def test_quick_verify_reads_sizes_not_content(store):
 
 
 def test_lease_one_holder_named_renewed_released(store):
-    first = store.lease("asset/k", holder_record("run-a"), ttl_s=0.6)
+    # S3's Last-Modified has one-second resolution: a ttl of a few seconds (the resource asks >= 5)
+    first = store.lease("asset/k", holder_record("run-a"), ttl_s=3)
     assert first.try_acquire() is None
-    time.sleep(1.5)  # well past the ttl: the holder's renewals keep it live
-    busy = store.lease("asset/k", holder_record("run-b"), ttl_s=0.6).try_acquire()
+    time.sleep(5)  # well past the ttl: the holder's renewals keep it live
+    busy = store.lease("asset/k", holder_record("run-b"), ttl_s=3).try_acquire()
     assert busy is not None and busy.holder["run_id"] == "run-a"
     assert busy.describe().startswith("run run-a on ") and " since " in busy.describe()
     first.ensure_held()
     first.release()
-    second = store.lease("asset/k", holder_record("run-b"), ttl_s=0.6)
+    second = store.lease("asset/k", holder_record("run-b"), ttl_s=3)
     assert second.try_acquire() is None
     second.release()
 
@@ -180,10 +181,10 @@ def test_lease_one_holder_named_renewed_released(store):
 def test_stale_lease_of_a_dead_holder_expires_and_only_one_takes_it_over(store):
     dead = holder_record("run-dead")
     assert store.lease_create("asset/s", json.dumps(dead).encode()) is not None  # never renewed
-    assert store.lease("asset/s", holder_record("run-x"), ttl_s=1).try_acquire().holder["run_id"] == "run-dead"
-    time.sleep(1.3)
+    assert store.lease("asset/s", holder_record("run-x"), ttl_s=2).try_acquire().holder["run_id"] == "run-dead"
+    time.sleep(3.5)
     results, logs = [], []
-    contenders = [store.lease("asset/s", holder_record(f"run-{i}"), ttl_s=1, log=logs.append) for i in range(4)]
+    contenders = [store.lease("asset/s", holder_record(f"run-{i}"), ttl_s=2, log=logs.append) for i in range(4)]
     threads = [threading.Thread(target=lambda c=c: results.append(c.try_acquire())) for c in contenders]
     for t in threads:
         t.start()
@@ -210,3 +211,19 @@ def test_a_lease_taken_over_while_held_forbids_the_commit(store):
         lease.ensure_held()
     lease.release()
     assert store.lease_read("asset/l").holder["run_id"] == "run-other"
+
+
+def test_a_lease_whose_holder_process_is_gone_expires_at_once(store):
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    holder = {**holder_record("run-gone"), "pid": int(gone.stdout)}  # this host, a process that exited
+    store.lease_create("asset/g", json.dumps(holder).encode())
+    logs = []
+    lease = store.lease("asset/g", holder_record("run-next"), ttl_s=3600, log=logs.append)
+    assert lease.try_acquire() is None  # no ttl to wait for
+    assert lease.taken_over.holder["run_id"] == "run-gone" and "its process is gone" in logs[0]
+    assert [s.holder["run_id"] for s in store.list_leases()] == ["run-next"]
+    lease.release()
+    assert store.list_leases() == []

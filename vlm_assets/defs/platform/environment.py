@@ -5,6 +5,8 @@
 ``MLFLOW_TRACKING_URI`` default ``sqlite:///$VLM_ASSETS_HOME/mlflow.db`` with artifacts in ``$VLM_ASSETS_HOME/mlruns``
 ``VLM_ASSETS_LAUNCHER`` ``local`` (default: torchrun processes on this machine, loopback rendezvous)
 ``VLM_ASSETS_PROFILE``  ``demo`` (default: offline real data, tiny models, CPU) or ``seed`` (full scale)
+``VLM_ASSETS_ON_BUSY``  ``wait`` (default) or ``fail``: a key another live attempt is building
+``VLM_ASSETS_LEASE_TTL_S`` seconds without renewal after which a builder's lease expires (default 120)
 """
 
 import os
@@ -30,13 +32,16 @@ def profile(env: Mapping[str, str] = os.environ) -> str:
 
 def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.ConfigurableResource]:
     home = home_dir()
+    leases = {"on_busy": env.get("VLM_ASSETS_ON_BUSY", "wait"),
+              "lease_ttl_s": float(env.get("VLM_ASSETS_LEASE_TTL_S", "120"))}
     store_kind = env.get("VLM_ASSETS_STORE", "local")
     if store_kind == "local":
-        store = LocalArtifactStoreResource(root=str(home / "artifacts"))
+        store = LocalArtifactStoreResource(root=str(home / "artifacts"), **leases)
     elif store_kind == "s3":
         if not env.get("VLM_ASSETS_S3_BUCKET"):
             raise ValueError("VLM_ASSETS_STORE=s3 needs VLM_ASSETS_S3_BUCKET")
         store = S3ArtifactStoreResource(
+            **leases,
             bucket=env["VLM_ASSETS_S3_BUCKET"],
             prefix=env.get("VLM_ASSETS_S3_PREFIX", "vlm_assets"),
             cache_dir=str(cache_dir() / "s3"),
@@ -63,4 +68,10 @@ def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.Configura
 
 @dg.definitions
 def resources() -> dg.Definitions:
-    return dg.Definitions(resources=resources_for())
+    import logging
+
+    from vlm_assets.defs.platform.reaper import reap_on_load
+
+    chosen = resources_for()
+    reap_on_load(chosen["artifact_store"], logging.getLogger("vlm_assets").warning)
+    return dg.Definitions(resources=chosen)

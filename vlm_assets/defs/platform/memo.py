@@ -143,6 +143,7 @@ def _build(
     started: float,
 ) -> dg.Output[ArtifactRef]:
     name = context.asset_key.to_user_string()
+    _close_dead_attempts(context, mlflow, lease, key)
     tags = {"dagster.run_id": context.run.run_id, "dagster.asset": name, "vlm_assets.cache_key": key}
     with mlflow.start_run(run_name=name, tags=tags) as run:
         run.log_params(config.model_dump(mode="json"))
@@ -157,6 +158,24 @@ def _build(
             })
     context.log.info(f"committed {ref.uri} (data version {ref.data_version})")
     return _output(ref, "miss", time.perf_counter() - started, config)
+
+
+def _close_dead_attempts(context: dg.AssetExecutionContext, mlflow: MlflowTrackingResource, lease: Lease,
+                         key: str) -> None:
+    """Make the records of an attempt that died (its process killed: no code of it ran to say so)
+    tell the truth: its MLflow runs end KILLED, and its Dagster run, if this lease replaced its
+    expired one and it is still marked in progress, is marked failed."""
+    if killed := mlflow.end_orphaned_runs(key):
+        context.log.warning(f"ended MLflow run(s) {', '.join(killed)} of {key} as KILLED: their process died")
+    dead = lease.taken_over
+    if dead is None or dead.holder.get("run_id") in (None, context.run.run_id):
+        return
+    run = context.instance.get_run_by_id(dead.holder["run_id"])
+    if run is not None and not run.is_finished:
+        context.instance.report_run_failed(run, message=(
+            f"its step building {key} died: the lease it held was not renewed for {lease.ttl_s:.0f} s "
+            f"({dead.describe()}); run {context.run.run_id} took over"))
+        context.log.warning(f"marked Dagster run {run.run_id} failed: its step building {key} died")
 
 
 def _output(ref: ArtifactRef, cache: str, seconds: float, config: AssetConfig) -> dg.Output[ArtifactRef]:

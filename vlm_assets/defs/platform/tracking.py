@@ -107,13 +107,28 @@ class MlflowTrackingResource(dg.ConfigurableResource):
 
     @contextlib.contextmanager
     def start_run(self, run_name: str, tags: Mapping[str, str] | None = None) -> Iterator[TrackedRun]:
-        """A run that ends FINISHED, or FAILED if the block raises."""
+        """A run that ends FINISHED, FAILED if the block raises, KILLED if it is interrupted (SIGTERM,
+        SIGINT, the Dagster run terminated). A process killed outright cannot end its run: the next
+        attempt at the key does (``end_orphaned_runs``)."""
         client = self.client()
         run = client.create_run(self.experiment_id(), run_name=run_name, tags=dict(tags or {}))
         tracked = TrackedRun(client, run.info.run_id)
         try:
             yield tracked
+        except (KeyboardInterrupt, dg.DagsterExecutionInterruptedError):
+            client.set_terminated(run.info.run_id, status="KILLED")
+            raise
         except BaseException:
             client.set_terminated(run.info.run_id, status="FAILED")
             raise
         client.set_terminated(run.info.run_id, status="FINISHED")
+
+    def end_orphaned_runs(self, cache_key: str) -> list[str]:
+        """End as KILLED the runs of ``cache_key`` still RUNNING: their process died without ending
+        them. Only the holder of the key's lease calls this, so none of them is alive."""
+        client = self.client()
+        runs = client.search_runs([self.experiment_id()], filter_string=(
+            f"tags.`vlm_assets.cache_key` = '{cache_key}' and attributes.status = 'RUNNING'"))
+        for run in runs:
+            client.set_terminated(run.info.run_id, status="KILLED")
+        return [run.info.run_id for run in runs]

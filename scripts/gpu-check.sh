@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU kit in one command, on a CUDA machine (about 6-9 minutes on one H100):
+#   1. the gpu-marked tests: GPT FSDP2 bf16 and DDP on NCCL through the asset, the adapter's DeepSpeed
+#      ZeRO-2 + bf16 (needs the `gpu` extra), torch.compile against eager;
+#   2. bench/bench_gpt.py at 124M and 1.5B (bf16, seq 1024, torch.compile, MFU);
+#   3. bench/bench_adapter.py --qwen3b (Qwen2.5-VL-3B shapes, random weights: no hub needed).
+# Each part has its own time budget (GPU_CHECK_BUDGET_S, default 540 s in all); the figures go to
+# $OUT (default var/gpu-check/) as text tables.
+#   scripts/gpu-check.sh
+set -uo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+[ -d .venv ] && source .venv/bin/activate
+out="${OUT:-$repo/var/gpu-check}"
+mkdir -p "$out"
+budget="${GPU_CHECK_BUDGET_S:-540}"
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+  || { echo "gpu-check: no CUDA device visible to torch" >&2; exit 2; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+status=0
+run() {  # run NAME SECONDS CMD...: one part under its share of the budget, output kept
+  local name=$1 seconds=$2; shift 2
+  echo "== $name (<= ${seconds}s)"
+  timeout --kill-after=10 "$seconds" "$@" 2>&1 | tee "$out/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { echo "gpu-check: $name failed (exit $rc)" >&2; status=1; }
+}
+run tests $((budget * 45 / 100)) python -m pytest -m gpu -q -p no:cacheprovider vlm_assets_tests/gpu
+run bench_gpt $((budget * 35 / 100)) python bench/bench_gpt.py --presets 124M 1.5B --batch 8 --seq 1024 --compile
+run bench_adapter $((budget * 20 / 100)) python bench/bench_adapter.py --qwen3b --image-size 224
+exit $status

@@ -1,0 +1,61 @@
+"""Dead runs made to tell the truth: a run whose step was killed outright is marked failed and gives
+back its training-pool slot.
+
+A SIGKILLed step runs no code, so its Dagster run stays STARTED and keeps the concurrency slot of the
+`vlm_training` pool; with the pool's limit reached, every later training step would wait for that
+slot forever. Dagster's own run monitoring cannot see it: it needs a run launcher with worker health
+checks, and the embedded default's launcher (and `dagster job execute`) has none (K8sRunLauncher
+has: turn `run_monitoring` on in the Kubernetes deployment's dagster.yaml). The store's leases can
+see it: a run that held a lease whose holder stopped renewing it (or whose process on this host is
+gone) is dead. ``reap_dead_runs`` marks such runs failed and frees their slots. It runs when the code
+location loads (each `dagster job execute` / `dagster asset materialize`, and `dagster dev`'s start)
+and every minute in the daemon (the `dead_run_reaper` sensor). The next attempt at the key then
+takes the lease over, ends the dead attempt's MLflow runs as KILLED and resumes from its last
+checkpoint (``vlm_assets.defs.platform.memo``).
+"""
+
+from collections.abc import Callable
+
+import dagster as dg
+
+from vlm_assets.defs.platform.storage import ArtifactStoreResource
+from vlm_assets.storage import ArtifactStore
+
+
+def reap_dead_runs(instance: dg.DagsterInstance, store: ArtifactStore, ttl_s: float,
+                   log: Callable[[str], None]) -> list[str]:
+    reaped = []
+    for lease in store.list_leases():
+        run_id = lease.holder.get("run_id")
+        if not run_id or not lease.expired(ttl_s):
+            continue
+        run = instance.get_run_by_id(run_id)
+        if run is None or run.is_finished:
+            continue
+        message = (f"its step building {lease.holder.get('key')} died without ending the run "
+                   f"({lease.describe()}; marked failed by vlm_assets' dead-run reaper)")
+        instance.report_run_failed(run, message=message)
+        instance.event_log_storage.free_concurrency_slots_for_run(run_id)
+        log(f"run {run_id}: {message}")
+        reaped.append(run_id)
+    return reaped
+
+
+def reap_on_load(store_resource: ArtifactStoreResource, log: Callable[[str], None]) -> None:
+    """At code location load, when there is a persistent instance (DAGSTER_HOME); never fails the load."""
+    import os
+
+    if not os.environ.get("DAGSTER_HOME"):
+        return
+    try:
+        with dg.DagsterInstance.get() as instance:
+            reap_dead_runs(instance, store_resource.get_store(), store_resource.lease_ttl_s, log)
+    except Exception as err:  # a store or instance that cannot be read now must not block loading
+        log(f"dead-run reaper skipped: {type(err).__name__}: {err}")
+
+
+@dg.sensor(minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING)
+def dead_run_reaper(context: dg.SensorEvaluationContext, artifact_store: ArtifactStoreResource):
+    """Marks failed the runs whose training or build step was killed outright, and frees their pool slots."""
+    reaped = reap_dead_runs(context.instance, artifact_store.get_store(), artifact_store.lease_ttl_s, context.log.warning)
+    return dg.SkipReason(f"reaped {len(reaped)} dead run(s)" if reaped else "no dead runs")
