@@ -1,6 +1,7 @@
 """Shared fixtures: real offline data, an isolated embedded default, a loopback S3 server."""
 
 import contextlib
+import dataclasses
 import functools
 import http.server
 import io
@@ -206,3 +207,90 @@ def training_workers(module: str, marker: str) -> list[int]:
         if module in text and "torch.distributed.run" not in text and marker in text:
             pids.append(int(cmdline.parent.name))
     return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@dataclasses.dataclass
+class KilledAndRelaunched:
+    at_kill: list[str]  # checkpoint keys committed when the step was killed
+    relaunch_log: str
+    instance: object  # the DagsterInstance both runs used
+    mlflow_uri: str
+
+    def materialization(self, asset: str) -> dict:
+        import dagster as dg
+
+        event = self.instance.get_latest_materialization_event(dg.AssetKey(asset))
+        return {k: getattr(v, "value", v) for k, v in event.asset_materialization.metadata.items()}
+
+    def mlflow_statuses(self, asset: str) -> list[str]:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(self.mlflow_uri)
+        runs = client.search_runs([client.get_experiment_by_name("vlm_assets").experiment_id],
+                                  filter_string=f"tags.`dagster.asset` = '{asset}'")
+        return sorted(r.info.status for r in runs)
+
+
+def kill_mid_training_and_relaunch(tmp_path: Path, select: str, run_config: dict, asset: str,
+                                   checkpoints_before_kill: int) -> KilledAndRelaunched:
+    """`dagster asset materialize` (the step in the CLI process: in-process executor) SIGKILLed once
+    ``checkpoints_before_kill`` checkpoints of ``asset`` are committed, as an OOM killer or a lost
+    session would; asserts that no agent or worker outlives it (10 s) and that nothing is committed
+    after it; then relaunches the same command to completion."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from vlm_assets.launch.local import process_tree
+
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "dagster").mkdir()
+    (tmp_path / "dagster" / "dagster.yaml").write_text((repo / "dagster.yaml").read_text())
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(mlflow_uri).search_experiments()  # create the store before two processes use it
+    env = {**os.environ, "VLM_ASSETS_HOME": str(tmp_path / "home"), "DAGSTER_HOME": str(tmp_path / "dagster"),
+           "MLFLOW_TRACKING_URI": mlflow_uri, "VLM_ASSETS_LEASE_TTL_S": "5"}
+    config = json.dumps({**run_config, "execution": {"config": {"in_process": {}}}})
+    command = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "vlm_assets.definitions",
+               "--select", select, "--config-json", config]
+    checkpoints = tmp_path / "home" / "artifacts" / "checkpoints" / asset
+
+    def committed():
+        return sorted(p.parent.name for p in checkpoints.glob("*/step-*/_COMPLETE.json"))
+
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(command, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 400
+        while len(committed()) < checkpoints_before_kill and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.poll() is None, "the run ended before it could be killed"
+        tree = process_tree(first.pid)
+        first.kill()
+        first.wait()
+    at_kill = committed()
+    deadline = time.monotonic() + 10
+    while [pid for pid in tree[1:] if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in tree[1:] if _alive(pid)], "a torchrun agent or worker outlived the killed step"
+    assert len(tree) >= 5  # the step, 2 agents or 1 agent with 2 workers, and more
+    time.sleep(2)
+    assert committed() == at_kill, "a checkpoint was committed after the kill"
+
+    second = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=400)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    out = second.stdout + second.stderr
+    # The load reaped the dead run (freeing its training-pool slot); the step took its lease over.
+    assert "marked failed by vlm_assets' dead-run reaper" in out
+    assert "its process is gone): taking it over" in out and "KILLED: their process died" in out
+    import dagster as dg
+
+    instance = dg.DagsterInstance.from_config(str(tmp_path / "dagster"))
+    assert sorted(run.status.value for run in instance.get_runs()) == ["FAILURE", "SUCCESS"]
+    return KilledAndRelaunched(at_kill, out, instance, mlflow_uri)

@@ -9,9 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from vlm_assets._streaming import streaming  # noqa: F401  (registers the vision shim first)
 from vlm_assets.data.occlusion_checks import CheckOutcome
-from streaming.base.format import reader_from_json
 
 SPLITS = ("train", "val")
 
@@ -28,6 +26,10 @@ class SplitScan:
 
 def scan_split(split_dir: Path) -> SplitScan:
     """Decode every sample of every shard of one split; the first unreadable shard ends the scan."""
+    # Imported here: streaming pulls in torch (seconds), and judging a recorded scan needs neither.
+    from vlm_assets._streaming import streaming  # noqa: F401  (registers the vision shim first)
+    from streaming.base.format import reader_from_json
+
     scan = SplitScan()
     try:
         index = json.loads((split_dir / "index.json").read_text())

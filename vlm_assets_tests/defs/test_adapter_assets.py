@@ -20,7 +20,7 @@ from vlm_assets.defs.models.eval_assets import (
     eval_report,
     registered_adapter,
 )
-from vlm_assets_tests.conftest import IsolatedEnv, training_workers
+from vlm_assets_tests.conftest import IsolatedEnv, kill_mid_training_and_relaunch, training_workers
 
 pytestmark = pytest.mark.slow
 
@@ -229,6 +229,24 @@ def test_killed_worker_resumes_from_the_last_recovery_checkpoint(pipeline, offli
     assert [e["epoch"] for e in resumed] == [0, 1, 2]  # the pre-kill epoch survived in the checkpoint
     for a, b in zip(resumed, uninterrupted, strict=True):
         assert a["val/loss"] == pytest.approx(b["val/loss"], abs=1e-4)
+
+
+def test_sigkill_of_the_dagster_process_ends_both_workers_and_the_relaunch_resumes(pipeline, offline_data, tmp_path):
+    """The step's process SIGKILLed while the adapter trains on 2 processes, after its first recovery
+    checkpoint: no worker survives, nothing is committed after it; the relaunch marks the dead run
+    failed and its MLflow run KILLED, resumes from that checkpoint and ends on the uninterrupted losses."""
+    env, first = pipeline
+    config = run_config(offline_data, adapter={"backbone": _backbone_dir(env)})
+    config = {"ops": {k: v for k, v in config["ops"].items() if k in ("occlusion_manifests", "occlusion_adapter")}}
+    run = kill_mid_training_and_relaunch(tmp_path, "occlusion_manifests,occlusion_adapter", config,
+                                         "occlusion_adapter", checkpoints_before_kill=1)
+    adapter = run.materialization("occlusion_adapter")
+    assert adapter["resumed_from_epoch"] in (1, 2) and adapter["epochs"] == 3  # after 1 or 2 epochs
+    resumed = json.loads((Path(adapter["uri"]) / "history.json").read_text())["epochs"]
+    uninterrupted = json.loads((Path(meta(first, "occlusion_adapter")["uri"]) / "history.json").read_text())["epochs"]
+    for a, b in zip(resumed, uninterrupted, strict=True):
+        assert a["val/loss"] == pytest.approx(b["val/loss"], abs=1e-4)
+    assert run.mlflow_statuses("occlusion_adapter") == ["FINISHED", "KILLED"]
 
 
 def test_bad_input_fails_at_once_naming_the_row_or_field(pipeline, offline_data, tmp_path):

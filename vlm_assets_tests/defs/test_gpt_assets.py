@@ -19,7 +19,7 @@ from vlm_assets.launch import LaunchSpec, run_local
 from vlm_assets.train.checkpoints import CHECKPOINT_FILE, latest_checkpoint
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.run_config import RunPaths, write_run_file
-from vlm_assets_tests.conftest import IsolatedEnv, training_workers
+from vlm_assets_tests.conftest import IsolatedEnv, kill_mid_training_and_relaunch, training_workers
 
 pytestmark = pytest.mark.slow
 
@@ -215,73 +215,13 @@ def test_timeout_then_a_longer_timeout_resumes_from_the_last_checkpoint(ddp_run,
 
 
 def test_sigkill_of_the_dagster_process_ends_its_workers_and_the_relaunch_resumes(ddp_run, tmp_path, offline_data):
-    """`dagster asset materialize` (the step in its own process) SIGKILLed mid-training, as an OOM
-    killer or a lost session would: no agent or worker survives it, nothing is committed after it, the
-    relaunch takes over the expired lease, marks the dead run failed (Dagster) and KILLED (MLflow),
-    resumes from the last checkpoint and ends on the uninterrupted loss."""
-    import subprocess
-    import sys
-
-    import dagster as dg
-
-    from vlm_assets.launch.local import process_tree
-
-    repo = Path(__file__).resolve().parents[2]
-    (tmp_path / "dagster").mkdir()
-    (tmp_path / "dagster" / "dagster.yaml").write_text((repo / "dagster.yaml").read_text())
-    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    MlflowClient(mlflow_uri).search_experiments()  # create the store before two processes use it
-    env = {**os.environ, "VLM_ASSETS_HOME": str(tmp_path / "home"), "DAGSTER_HOME": str(tmp_path / "dagster"),
-           "MLFLOW_TRACKING_URI": mlflow_uri, "VLM_ASSETS_LEASE_TTL_S": "5"}
-    config = json.dumps({**run_config(offline_data), "execution": {"config": {"in_process": {}}}})
-    command = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "vlm_assets.definitions",
-               "--select", "token_shards,gpt_checkpoint", "--config-json", config]
-    checkpoints = tmp_path / "home" / "artifacts" / "checkpoints" / "gpt_checkpoint"
-
-    def committed():
-        return sorted(p.parent.name for p in checkpoints.glob("*/step-*/_COMPLETE.json"))
-
-    with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen(command, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while len(committed()) < 2 and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert first.poll() is None, "the run ended before it could be killed"
-        tree = process_tree(first.pid)
-        first.kill()
-        first.wait()
-    at_kill = committed()
-    deadline = time.monotonic() + 10
-    while [pid for pid in tree[1:] if _alive(pid)] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in tree[1:] if _alive(pid)], "a torchrun agent or worker outlived the killed step"
-    assert len(tree) >= 5  # the step, 2 agents, 2 workers
-    time.sleep(2)
-    assert committed() == at_kill, "a checkpoint was committed after the kill"
-
-    second = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    out = second.stdout + second.stderr
-    # The load reaped the dead run (freeing its training-pool slot), the step took its lease over.
-    assert "marked failed by vlm_assets' dead-run reaper" in out
-    assert "its process is gone): taking it over" in out and "KILLED: their process died" in out
-
-    instance = dg.DagsterInstance.from_config(str(tmp_path / "dagster"))
-    statuses = {run.run_id: run.status for run in instance.get_runs()}
-    assert sorted(s.value for s in statuses.values()) == ["FAILURE", "SUCCESS"], statuses
-    event = instance.get_latest_materialization_event(dg.AssetKey("gpt_checkpoint"))
-    meta = {k: getattr(v, "value", v) for k, v in event.asset_materialization.metadata.items()}
-    assert meta["resumed_from_step"] == int(at_kill[-1].split("-")[1])
+    """The step's process SIGKILLed at 2 nodes x 1 process: no agent or worker survives, nothing is
+    committed after it; the relaunch marks the dead run failed (Dagster) and KILLED (MLflow), resumes
+    from the last checkpoint and ends on the uninterrupted loss."""
+    run = kill_mid_training_and_relaunch(tmp_path, "token_shards,gpt_checkpoint", run_config(offline_data),
+                                         "gpt_checkpoint", checkpoints_before_kill=2)
+    meta = run.materialization("gpt_checkpoint")
+    assert meta["resumed_from_step"] == int(run.at_kill[-1].split("-")[1])
     assert meta["cache_key"] == ddp_run[2]["cache_key"] and meta["steps"] == MAX_STEPS
     assert meta["val_loss"] == pytest.approx(ddp_run[2]["val_loss"], abs=1e-5)
-    client = MlflowClient(mlflow_uri)
-    gpt_runs = client.search_runs([client.get_experiment_by_name("vlm_assets").experiment_id],
-                                  filter_string="tags.`dagster.asset` = 'gpt_checkpoint'")
-    assert sorted(r.info.status for r in gpt_runs) == ["FINISHED", "KILLED"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert run.mlflow_statuses("gpt_checkpoint") == ["FINISHED", "KILLED"]

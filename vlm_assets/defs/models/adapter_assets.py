@@ -8,6 +8,7 @@ from pathlib import Path
 
 import dagster as dg
 
+from vlm_assets.defs.platform.checks import artifact_scan
 from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher
 from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
@@ -109,7 +110,7 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
         (staging / "backbone.json").write_text(json.dumps({
             "backbone": backbone, "image_size": config.image_size, "max_length": config.max_length, "prompt": rows[0]["prompt"]}))
         return Built(metrics={k: float(v) for k, v in values.items() if isinstance(v, (int, float))},
-                     metadata={"backbone": backbone, "partial": partial})
+                     metadata={"backbone": backbone, "partial": partial}, scan=weights_scan(staging))
 
     return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream)
 
@@ -143,13 +144,22 @@ def adapter_training_complete(occlusion_adapter: ArtifactRef) -> dg.AssetCheckRe
                                description="partial: training failed for good" if partial else "complete")
 
 
-@dg.asset_check(asset=occlusion_adapter, blocking=True)
-def adapter_weights_finite(occlusion_adapter: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
-    """The gate and every adapter weight are finite."""
+def weights_scan(root: Path) -> dict:
+    """Which adapter weights hold non-finite values, the gate and the parameter count (at build time)."""
     import torch
     from safetensors.torch import load_file
 
-    weights = load_file(str(artifact_store.get_store().local_path(occlusion_adapter.key) / "adapter.safetensors"))
-    bad = [name for name, t in weights.items() if not torch.isfinite(t).all()]
+    weights = load_file(str(root / "adapter.safetensors"))
+    return {"non_finite": [name for name, t in weights.items() if not torch.isfinite(t).all()],
+            "gate": float(weights["gate"]), "num_parameters": sum(t.numel() for t in weights.values())}
+
+
+@dg.asset_check(asset=occlusion_adapter, blocking=True)
+def adapter_weights_finite(occlusion_adapter: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
+    """The gate and every adapter weight are finite (read when built; on a hit, judged from that
+    record after a size check: ``defs/platform/checks.py``)."""
+    scanned, source = artifact_scan(occlusion_adapter, artifact_store.get_store(), weights_scan)
+    bad = scanned["non_finite"]
     return dg.AssetCheckResult(passed=not bad, description=f"non-finite: {bad}" if bad else "all finite",
-                               metadata={"gate": float(weights["gate"]), "num_parameters": sum(t.numel() for t in weights.values())})
+                               metadata={"gate": scanned["gate"], "num_parameters": scanned["num_parameters"],
+                                         "scan": source})

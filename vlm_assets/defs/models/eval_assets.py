@@ -46,16 +46,16 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, occ
     """Greedy decoding on the validation split: exact-match (and the seed's lenient) accuracy with the
     adapter, without it (identity) on the same occluded images, and on the clean images; per-class
     accuracy, confusion matrix, and ``report.html`` (self-contained: curves, tables, prediction cards)."""
-    import torch
-
-    from vlm_assets.evaluate.occlusion_eval import evaluate
-    from vlm_assets.evaluate.report import accuracy_png, data_uri, html_report, markdown_table
-    from vlm_assets.train.adapter_module import OcclusionSamples, class_names
-
     upstream = {"occlusion_adapter": occlusion_adapter, "occlusion_manifests": occlusion_manifests}
     store = artifact_store.get_store()
 
     def build(staging: Path, run: TrackedRun) -> Built:
+        import torch  # heavy imports only when building: a cache hit needs none of them
+
+        from vlm_assets.evaluate.occlusion_eval import evaluate
+        from vlm_assets.evaluate.report import accuracy_png, data_uri, html_report, markdown_table
+        from vlm_assets.train.adapter_module import OcclusionSamples, class_names
+
         backbone, adapter, info, root = load_trained(store, occlusion_adapter)
         manifests = store.local_path(occlusion_manifests.key)
         data = OcclusionSamples(manifests, "validation", info["image_size"], None)
