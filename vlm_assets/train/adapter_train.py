@@ -29,6 +29,9 @@ from vlm_assets.train.reporting import Reporter
 from vlm_assets.train.run_config import RunPaths, read_run_file
 
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+# The frozen backbone is kept in eval mode on purpose (no dropout, fixed statistics): Lightning's
+# warning about modules in eval mode at the start of training is about exactly that.
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 
 class EpochHistory(L.Callback):

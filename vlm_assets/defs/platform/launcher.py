@@ -7,7 +7,10 @@ workers get the Dagster Pipes bootstrap environment and global rank 0 reports lo
 final materialization metadata through it.
 """
 
+import contextlib
+import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
@@ -20,6 +23,13 @@ from vlm_assets.launch import LaunchFailed, LaunchSpec, run_local
 # many training steps may hold the machine's (or the cluster quota's) GPUs at once across all runs,
 # so a schedule tick and a UI launch queue instead of oversubscribing them.
 TRAINING_POOL = "vlm_training"
+
+
+@contextlib.contextmanager
+def _without(category: type[Warning]) -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", category)
+        yield
 
 
 class TrainingLauncher(dg.ConfigurableResource, ABC):
@@ -40,7 +50,9 @@ class LocalTorchrunLauncher(TrainingLauncher):
 
     def launch(self, context: dg.AssetExecutionContext, spec: LaunchSpec,
                extras: dict[str, Any] | None = None) -> list[dg.MaterializeResult]:
-        with dg.open_pipes_session(
+        # Dagster's own session code calls its preview `expected_writer_count`: the warning is about
+        # Dagster's internals, not this launch, and would read as trouble in every run log.
+        with _without(dg.PreviewWarning), dg.open_pipes_session(
             context=context, extras=extras or {},
             context_injector=dg.PipesTempFileContextInjector(), message_reader=dg.PipesTempFileMessageReader(),
         ) as session:
