@@ -209,13 +209,6 @@ def training_workers(module: str, marker: str) -> list[int]:
     return pids
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @dataclasses.dataclass
 class KilledAndRelaunched:
     at_kill: list[str]  # checkpoint keys committed when the step was killed
@@ -248,7 +241,7 @@ def kill_mid_training_and_relaunch(tmp_path: Path, select: str, run_config: dict
 
     from mlflow import MlflowClient
 
-    from vlm_assets.launch.local import process_tree
+    from vlm_assets.launch.local import alive, process_tree
 
     repo = Path(__file__).resolve().parents[1]
     (tmp_path / "dagster").mkdir()
@@ -276,9 +269,9 @@ def kill_mid_training_and_relaunch(tmp_path: Path, select: str, run_config: dict
         first.wait()
     at_kill = committed()
     deadline = time.monotonic() + 10
-    while [pid for pid in tree[1:] if _alive(pid)] and time.monotonic() < deadline:
+    while [pid for pid in tree[1:] if alive(pid)] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in tree[1:] if _alive(pid)], "a torchrun agent or worker outlived the killed step"
+    assert not [pid for pid in tree[1:] if alive(pid)], "a torchrun agent or worker outlived the killed step"
     assert len(tree) >= 5  # the step, 2 agents or 1 agent with 2 workers, and more
     time.sleep(2)
     assert committed() == at_kill, "a checkpoint was committed after the kill"

@@ -70,8 +70,9 @@ def run_local(spec: LaunchSpec, on_line: Callable[[str], None] = print, env: Map
     """Run ``spec`` to completion on this machine; raise ``LaunchFailed`` if any node fails or it times out."""
     endpoint = f"127.0.0.1:{free_port()}"
     run_id = uuid.uuid4().hex[:12]
-    full_env = {**os.environ, **(env or {}), **spec.env, "PYTHONUNBUFFERED": "1",
-                "VLM_ASSETS_LIFELINE_PARENT": str(os.getpid())}  # lifeline.PARENT_ENV
+    from vlm_assets.launch.lifeline import PARENT_ENV  # imported here: see torchrun_command
+
+    full_env = {**os.environ, **(env or {}), **spec.env, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
     if spec.num_nodes > 1:
         full_env[SHARED_HOST_ENV] = "1"  # every "node" is on this host: see vlm_assets._streaming
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
@@ -184,12 +185,13 @@ def stop_process_trees(procs: list[subprocess.Popen]) -> None:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        pids = [pid for pid in pids if _alive(pid)]
+        pids = [pid for pid in pids if alive(pid)]
         if not pids:
             return
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (dead, only not yet reaped by its parent)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:

@@ -1,10 +1,9 @@
 """The local torchrun backend with real processes: rendezvous, log streaming, failure, no orphans."""
 
-from pathlib import Path
-
 import pytest
 
 from vlm_assets.launch import LaunchFailed, LaunchSpec, run_local
+from vlm_assets.launch.local import alive
 
 WORKER = "vlm_assets_tests.launch.allreduce_worker"
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -12,13 +11,6 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 def _pids(lines):
     return [int(line.split(" pid ")[1].split()[0]) for line in lines if " pid " in line]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.slow
@@ -42,7 +34,7 @@ def test_a_failing_node_stops_every_node_and_is_reported():
     assert err.worker_exit_code == 3
     assert any("rank 1 failing on purpose" in line for line in err.tail)
     pids = _pids(lines)
-    assert len(pids) == 2 and not any(_alive(pid) for pid in pids), "a worker outlived the launch"
+    assert len(pids) == 2 and not any(alive(pid) for pid in pids), "a worker outlived the launch"
 
 
 @pytest.mark.slow
@@ -53,7 +45,7 @@ def test_the_job_timeout_stops_a_hanging_job():
     with pytest.raises(LaunchFailed, match="timeout"):
         run_local(spec, on_line=lines.append)
     pids = _pids(lines)
-    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+    assert len(pids) == 2 and not any(alive(pid) for pid in pids)
 
 
 def test_bad_specs_are_refused():
@@ -95,6 +87,6 @@ def test_sigkill_of_the_launching_process_ends_every_agent_and_worker():
     os.kill(step.pid, signal.SIGKILL)
     step.wait()
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in tree) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in tree if _alive(pid)], "an agent or worker outlived its step"
+    assert not [pid for pid in tree if alive(pid)], "an agent or worker outlived its step"

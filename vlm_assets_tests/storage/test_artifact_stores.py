@@ -202,8 +202,7 @@ def test_a_lease_taken_over_while_held_forbids_the_commit(store):
     state = store.lease_read("asset/l")
     store.lease_remove("asset/l", state.token)  # as an expiry takeover by another attempt would
     assert store.lease_create("asset/l", json.dumps(holder_record("run-other")).encode())
-    lease.ttl_s = 0.3  # renew now
-    lease._stop.wait(0.5)
+    lease.ttl_s = 0.3  # renew often from the next renewal on
     deadline = time.time() + 15
     while not lease.lost and time.time() < deadline:
         time.sleep(0.1)

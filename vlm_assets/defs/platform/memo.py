@@ -25,6 +25,7 @@ import dagster as dg
 import pydantic
 
 from vlm_assets.defs.platform.profiles import ProfileDefaults
+from vlm_assets.defs.platform.reaper import fail_dead_run
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.memo import cache_key
@@ -112,17 +113,17 @@ def _build_lease(context: dg.AssetExecutionContext, resource: ArtifactStoreResou
     holder = holder_record(context.run.run_id, asset=context.asset_key.to_user_string())
     lease = store.lease(key, holder, resource.lease_ttl_s, log=context.log.warning)
     deadline, said = time.monotonic() + resource.busy_wait_timeout_s, False
-    while (holder := lease.try_acquire()) is not None:
+    while (busy := lease.try_acquire()) is not None:
         if store.exists(key):
             yield None
             return
         if resource.on_busy == "fail" or time.monotonic() > deadline:
             waited = "" if resource.on_busy == "fail" else f" (waited {resource.busy_wait_timeout_s:.0f} s)"
-            raise dg.Failure(f"{key} is being built by another attempt{waited}: {holder.describe()}. It "
+            raise dg.Failure(f"{key} is being built by another attempt{waited}: {busy.describe()}. It "
                              f"expires {resource.lease_ttl_s:.0f} s after its holder stops renewing it.",
                              allow_retries=False)
         if not said:
-            context.log.info(f"{key} is being built by {holder.describe()}: waiting for it")
+            context.log.info(f"{key} is being built by {busy.describe()}: waiting for it")
             said = True
         time.sleep(min(5.0, resource.lease_ttl_s / 4))
     try:
@@ -168,14 +169,9 @@ def _close_dead_attempts(context: dg.AssetExecutionContext, mlflow: MlflowTracki
     if killed := mlflow.end_orphaned_runs(key):
         context.log.warning(f"ended MLflow run(s) {', '.join(killed)} of {key} as KILLED: their process died")
     dead = lease.taken_over
-    if dead is None or dead.holder.get("run_id") in (None, context.run.run_id):
-        return
-    run = context.instance.get_run_by_id(dead.holder["run_id"])
-    if run is not None and not run.is_finished:
-        context.instance.report_run_failed(run, message=(
-            f"its step building {key} died: the lease it held was not renewed for {lease.ttl_s:.0f} s "
-            f"({dead.describe()}); run {context.run.run_id} took over"))
-        context.log.warning(f"marked Dagster run {run.run_id} failed: its step building {key} died")
+    if dead is not None and dead.holder.get("run_id") != context.run.run_id:
+        fail_dead_run(context.instance, dead, f"run {context.run.run_id}, which took its lease over",
+                      context.log.warning)
 
 
 def _output(ref: ArtifactRef, cache: str, seconds: float, config: AssetConfig) -> dg.Output[ArtifactRef]:

@@ -20,25 +20,28 @@ import dagster as dg
 
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.storage import ArtifactStore
+from vlm_assets.storage.lease import LeaseState
+
+
+def fail_dead_run(instance: dg.DagsterInstance, dead: LeaseState, by: str, log: Callable[[str], None]) -> bool:
+    """Mark the Dagster run that held the expired lease ``dead`` failed and free its pool slots, if
+    it is still marked in progress; True when it was."""
+    run_id = dead.holder.get("run_id")
+    run = instance.get_run_by_id(run_id) if run_id else None
+    if run is None or run.is_finished:
+        return False
+    message = (f"its step building {dead.holder.get('key')} died without ending the run "
+               f"({dead.describe()}; marked failed by {by})")
+    instance.report_run_failed(run, message=message)
+    instance.event_log_storage.free_concurrency_slots_for_run(run_id)
+    log(f"run {run_id}: {message}")
+    return True
 
 
 def reap_dead_runs(instance: dg.DagsterInstance, store: ArtifactStore, ttl_s: float,
                    log: Callable[[str], None]) -> list[str]:
-    reaped = []
-    for lease in store.list_leases():
-        run_id = lease.holder.get("run_id")
-        if not run_id or not lease.expired(ttl_s):
-            continue
-        run = instance.get_run_by_id(run_id)
-        if run is None or run.is_finished:
-            continue
-        message = (f"its step building {lease.holder.get('key')} died without ending the run "
-                   f"({lease.describe()}; marked failed by vlm_assets' dead-run reaper)")
-        instance.report_run_failed(run, message=message)
-        instance.event_log_storage.free_concurrency_slots_for_run(run_id)
-        log(f"run {run_id}: {message}")
-        reaped.append(run_id)
-    return reaped
+    return [lease.holder["run_id"] for lease in store.list_leases()
+            if lease.expired(ttl_s) and fail_dead_run(instance, lease, "vlm_assets' dead-run reaper", log)]
 
 
 def reap_on_load(store_resource: ArtifactStoreResource, log: Callable[[str], None]) -> None:
