@@ -231,12 +231,13 @@ class KilledAndRelaunched:
         return sorted(r.info.status for r in runs)
 
 
-def kill_mid_training_and_relaunch(tmp_path: Path, select: str, run_config: dict, asset: str,
-                                   checkpoints_before_kill: int) -> KilledAndRelaunched:
-    """`dagster asset materialize` (the step in the CLI process: in-process executor) SIGKILLed once
-    ``checkpoints_before_kill`` checkpoints of ``asset`` are committed, as an OOM killer or a lost
-    session would; asserts that no agent or worker outlives it (10 s) and that nothing is committed
-    after it; then relaunches the same command to completion."""
+def kill_mid_training_and_relaunch(tmp_path: Path, job: str, run_config: dict, asset: str,
+                                   checkpoints_before_kill: int, executor: str) -> KilledAndRelaunched:
+    """`dagster job execute -j <job>` SIGKILLed once ``checkpoints_before_kill`` checkpoints of
+    ``asset`` are committed, as an OOM killer or a lost session would; asserts that no step process,
+    agent or worker outlives it (10 s) and that nothing is committed after it; then relaunches the
+    same command to completion. ``executor``: ``in_process`` (the step runs in the killed process) or
+    ``multiprocess`` (the step runs in a child of the killed orchestrator)."""
     import json
 
     from mlflow import MlflowClient
@@ -250,9 +251,10 @@ def kill_mid_training_and_relaunch(tmp_path: Path, select: str, run_config: dict
     MlflowClient(mlflow_uri).search_experiments()  # create the store before two processes use it
     env = {**os.environ, "VLM_ASSETS_HOME": str(tmp_path / "home"), "DAGSTER_HOME": str(tmp_path / "dagster"),
            "MLFLOW_TRACKING_URI": mlflow_uri, "VLM_ASSETS_LEASE_TTL_S": "5"}
-    config = json.dumps({**run_config, "execution": {"config": {"in_process": {}}}})
-    command = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "vlm_assets.definitions",
-               "--select", select, "--config-json", config]
+    config = tmp_path / "run_config.yaml"  # JSON is YAML
+    config.write_text(json.dumps({**run_config, "execution": {"config": {executor: {}}}}))
+    command = [sys.executable, "-m", "dagster", "job", "execute", "-m", "vlm_assets.definitions",
+               "-j", job, "-c", str(config)]
     checkpoints = tmp_path / "home" / "artifacts" / "checkpoints" / asset
 
     def committed():

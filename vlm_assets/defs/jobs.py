@@ -1,5 +1,6 @@
-"""The job that materializes the whole graph and its schedule. The active profile is in the config
-defaults (``vlm_assets.defs.platform.profiles``), so the job needs no run config of its own."""
+"""The job that materializes the whole graph, its schedule, and one job per trainer. The active
+profile is in the config defaults (``vlm_assets.defs.platform.profiles``), so no job needs run config
+of its own."""
 
 import dagster as dg
 
@@ -14,8 +15,15 @@ def jobs() -> dg.Definitions:
         # only add ~3 s of imports each on a small machine.
         executor_def=dg.in_process_executor,
     )
+    # A trainer and the data it reads, e.g. `dagster job execute -j gpt_job`. Dagster's default
+    # executor: multiprocess unless the run config says `execution: {config: {in_process: {}}}`.
+    trainer_jobs = [
+        dg.define_asset_job(f"{name}_job", selection=dg.AssetSelection.assets(asset).upstream(),
+                            description=f"Materializes {asset} and the data it trains on.")
+        for name, asset in (("gpt", "gpt_checkpoint"), ("adapter", "occlusion_adapter"))
+    ]
     main_schedule = dg.ScheduleDefinition(
         name="main_schedule", job=main_job, cron_schedule="0 3 * * *",
         default_status=dg.DefaultScheduleStatus.STOPPED,
     )
-    return dg.Definitions(jobs=[main_job], schedules=[main_schedule])
+    return dg.Definitions(jobs=[main_job, *trainer_jobs], schedules=[main_schedule])

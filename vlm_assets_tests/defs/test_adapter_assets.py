@@ -232,14 +232,15 @@ def test_killed_worker_resumes_from_the_last_recovery_checkpoint(pipeline, offli
 
 
 def test_sigkill_of_the_dagster_process_ends_both_workers_and_the_relaunch_resumes(pipeline, offline_data, tmp_path):
-    """The step's process SIGKILLed while the adapter trains on 2 processes, after its first recovery
-    checkpoint: no worker survives, nothing is committed after it; the relaunch marks the dead run
+    """`dagster job execute -j adapter_job` under the multiprocess executor, its orchestrator SIGKILLed
+    while the adapter trains on 2 processes, after its first recovery checkpoint: the step's process,
+    its agent and both workers end, nothing is committed after it; the relaunch marks the dead run
     failed and its MLflow run KILLED, resumes from that checkpoint and ends on the uninterrupted losses."""
     env, first = pipeline
     config = run_config(offline_data, adapter={"backbone": _backbone_dir(env)})
     config = {"ops": {k: v for k, v in config["ops"].items() if k in ("occlusion_manifests", "occlusion_adapter")}}
-    run = kill_mid_training_and_relaunch(tmp_path, "occlusion_manifests,occlusion_adapter", config,
-                                         "occlusion_adapter", checkpoints_before_kill=1)
+    run = kill_mid_training_and_relaunch(tmp_path, "adapter_job", config, "occlusion_adapter",
+                                         checkpoints_before_kill=1, executor="multiprocess")
     adapter = run.materialization("occlusion_adapter")
     assert adapter["resumed_from_epoch"] in (1, 2) and adapter["epochs"] == 3  # after 1 or 2 epochs
     resumed = json.loads((Path(adapter["uri"]) / "history.json").read_text())["epochs"]

@@ -215,11 +215,12 @@ def test_timeout_then_a_longer_timeout_resumes_from_the_last_checkpoint(ddp_run,
 
 
 def test_sigkill_of_the_dagster_process_ends_its_workers_and_the_relaunch_resumes(ddp_run, tmp_path, offline_data):
-    """The step's process SIGKILLed at 2 nodes x 1 process: no agent or worker survives, nothing is
+    """`dagster job execute -j gpt_job` (in-process executor: the step runs in that process) SIGKILLed
+    while GPT trains at 2 nodes x 1 process: no agent or worker survives, nothing is
     committed after it; the relaunch marks the dead run failed (Dagster) and KILLED (MLflow), resumes
     from the last checkpoint and ends on the uninterrupted loss."""
-    run = kill_mid_training_and_relaunch(tmp_path, "token_shards,gpt_checkpoint", run_config(offline_data),
-                                         "gpt_checkpoint", checkpoints_before_kill=2)
+    run = kill_mid_training_and_relaunch(tmp_path, "gpt_job", run_config(offline_data), "gpt_checkpoint",
+                                         checkpoints_before_kill=2, executor="in_process")
     meta = run.materialization("gpt_checkpoint")
     assert meta["resumed_from_step"] == int(run.at_kill[-1].split("-")[1])
     assert meta["cache_key"] == ddp_run[2]["cache_key"] and meta["steps"] == MAX_STEPS

@@ -1,7 +1,10 @@
-"""A run terminated from the UI: `dagster dev` (webserver + daemon) on loopback, the run launched and
-terminated through the webserver's GraphQL API while its GPT trains on 2 nodes."""
+"""Runs under `dagster dev` (webserver + daemon, the repo's dagster.yaml) on loopback, launched through
+the webserver's GraphQL API while GPT trains on 2 nodes: one terminated from the UI (its GraphQL
+terminate), one whose run worker is SIGKILLed (caught by run monitoring)."""
 
+import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,7 +45,44 @@ def _wait(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_run_terminated_through_graphql_is_canceled_and_leaves_nothing_running(tmp_path, offline_data):
+@dataclasses.dataclass
+class Dev:
+    url: str
+    home: Path
+    dagster_home: Path
+    mlflow_uri: str
+    run_config: dict
+
+    def launch(self) -> str:
+        params = {"selector": {"repositoryLocationName": "vlm_assets", "repositoryName": "__repository__",
+                               "jobName": "__ASSET_JOB",
+                               "assetSelection": [{"path": ["token_shards"]}, {"path": ["gpt_checkpoint"]}]},
+                  "runConfigData": self.run_config}
+        launched = _graphql(self.url, LAUNCH, params=params)["launchRun"]
+        assert launched["__typename"] == "LaunchRunSuccess", launched
+        return launched["run"]["runId"]
+
+    def status(self, run_id: str) -> str:
+        return _graphql(self.url, STATUS, runId=run_id)["runOrError"]["status"]
+
+    def wait_for_training(self, checkpoints: int) -> list[int]:
+        """Worker pids, once ``checkpoints`` more checkpoints than now are committed while they train."""
+        folder = self.home / "artifacts" / "checkpoints" / "gpt_checkpoint"
+        target = len(list(folder.glob("*/step-*/_COMPLETE.json"))) + checkpoints
+        return _wait(lambda: len(list(folder.glob("*/step-*/_COMPLETE.json"))) >= target and training_workers(
+            "vlm_assets.train.gpt_pretrain", str(self.home)), 240, "training with a committed checkpoint")
+
+    def mlflow_statuses(self, run_id: str) -> list[str]:
+        """Statuses of the MLflow runs of gpt_checkpoint in the Dagster run ``run_id``."""
+        client = MlflowClient(self.mlflow_uri)
+        runs = client.search_runs([client.get_experiment_by_name("vlm_assets").experiment_id], filter_string=(
+            f"tags.`dagster.asset` = 'gpt_checkpoint' and tags.`dagster.run_id` = '{run_id}'"))
+        return [r.info.status for r in runs]
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory, offline_data):
+    tmp_path = tmp_path_factory.mktemp("dev")
     (tmp_path / "dagster").mkdir()
     (tmp_path / "dagster" / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -52,9 +92,9 @@ def test_a_run_terminated_through_graphql_is_canceled_and_leaves_nothing_running
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "dev.log", "w") as log:
-        dev = subprocess.Popen([sys.executable, "-m", "dagster", "dev", "-w", "workspace.yaml", "-h", "127.0.0.1",
-                                "-p", str(port)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+        server = subprocess.Popen([sys.executable, "-m", "dagster", "dev", "-w", "workspace.yaml", "-h", "127.0.0.1",
+                                   "-p", str(port)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
     try:
         def up():
             try:
@@ -63,28 +103,40 @@ def test_a_run_terminated_through_graphql_is_canceled_and_leaves_nothing_running
                 return False
 
         _wait(up, 120, "the webserver")
-        params = {"selector": {"repositoryLocationName": "vlm_assets", "repositoryName": "__repository__",
-                               "jobName": "__ASSET_JOB",
-                               "assetSelection": [{"path": ["token_shards"]}, {"path": ["gpt_checkpoint"]}]},
-                  "runConfigData": run_config(offline_data, max_steps=400)}
-        launched = _graphql(url, LAUNCH, params=params)["launchRun"]
-        assert launched["__typename"] == "LaunchRunSuccess", launched
-        run_id = launched["run"]["runId"]
-        marker = str(tmp_path / "home")
-        checkpoints = tmp_path / "home" / "artifacts" / "checkpoints" / "gpt_checkpoint"
-        _wait(lambda: list(checkpoints.glob("*/step-*/_COMPLETE.json")) and training_workers(
-            "vlm_assets.train.gpt_pretrain", marker), 240, "training with a committed checkpoint")
-
-        assert _graphql(url, TERMINATE, runId=run_id)["terminateRun"]["__typename"] == "TerminateRunSuccess"
-        status = _wait(lambda: (s := _graphql(url, STATUS, runId=run_id)["runOrError"]["status"]) in (
-            "CANCELED", "FAILURE", "SUCCESS") and s, 120, "the run to end")
-        assert status == "CANCELED"
-        _wait(lambda: not training_workers("vlm_assets.train.gpt_pretrain", marker), 15, "the workers to exit")
-        client = MlflowClient(mlflow_uri)
-        runs = client.search_runs([client.get_experiment_by_name("vlm_assets").experiment_id],
-                                  filter_string="tags.`dagster.asset` = 'gpt_checkpoint'")
-        assert [r.info.status for r in runs] == ["KILLED"]
-        assert not list((tmp_path / "home" / "artifacts" / ".leases").glob("*.json"))  # released
+        yield Dev(url, tmp_path / "home", tmp_path / "dagster", mlflow_uri, run_config(offline_data, max_steps=400))
     finally:
-        os.killpg(dev.pid, 15)
-        dev.wait(timeout=60)
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+
+
+def test_a_run_terminated_through_graphql_is_canceled_and_leaves_nothing_running(dev):
+    run_id = dev.launch()
+    dev.wait_for_training(checkpoints=1)
+    assert _graphql(dev.url, TERMINATE, runId=run_id)["terminateRun"]["__typename"] == "TerminateRunSuccess"
+    status = _wait(lambda: (s := dev.status(run_id)) in ("CANCELED", "FAILURE", "SUCCESS") and s, 120, "the run to end")
+    assert status == "CANCELED"
+    _wait(lambda: not training_workers("vlm_assets.train.gpt_pretrain", str(dev.home)), 15, "the workers to exit")
+    assert dev.mlflow_statuses(run_id) == ["KILLED"]
+    assert not list((dev.home / "artifacts" / ".leases").glob("*.json"))  # released
+
+
+def test_a_sigkilled_run_worker_ends_its_workers_and_the_run_fails(dev):
+    """The run worker (`dagster api execute_run`, the orchestrator of the multiprocess executor) is
+    SIGKILLed: its step process, agents and workers end by their parent-death signals; the run is
+    marked failed (by the code server that started the worker, or else by run monitoring:
+    ``test_run_monitoring``) and the run failure sensor ends its MLflow run KILLED."""
+    import dagster as dg
+
+    from vlm_assets.defs.platform.run_launcher import run_worker
+    from vlm_assets.launch.local import alive
+
+    run_id = dev.launch()
+    workers = dev.wait_for_training(checkpoints=1)
+    with dg.DagsterInstance.from_config(str(dev.dagster_home)) as instance:
+        pid, _ = run_worker(instance, run_id)
+    os.kill(pid, signal.SIGKILL)
+    _wait(lambda: not any(alive(w) for w in workers), 10, "the workers to die with the run worker")
+    status = _wait(lambda: (s := dev.status(run_id)) != "STARTED" and s, 90, "the run to be marked ended")
+    assert status == "FAILURE"
+    # The step's MLflow run, which no code of the killed step could end, is ended by the sensor.
+    _wait(lambda: dev.mlflow_statuses(run_id) == ["KILLED"], 90, "the MLflow run to be ended KILLED")

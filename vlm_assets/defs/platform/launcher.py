@@ -8,6 +8,7 @@ final materialization metadata through it.
 """
 
 import contextlib
+import multiprocessing
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import dagster as dg
 from pydantic import Field
 
 from vlm_assets.launch import LaunchFailed, LaunchSpec, run_local
+from vlm_assets.launch.lifeline import die_with_parent
 
 # The Dagster concurrency pool of every training step: its limit (dagster.yaml
 # ``concurrency.pools.default_limit``, or ``dagster instance concurrency set vlm_training N``) is how
@@ -50,6 +52,11 @@ class LocalTorchrunLauncher(TrainingLauncher):
 
     def launch(self, context: dg.AssetExecutionContext, spec: LaunchSpec,
                extras: dict[str, Any] | None = None) -> list[dg.MaterializeResult]:
+        if multiprocessing.parent_process() is not None:
+            # The step runs in a child of the run's orchestrator (Dagster's multiprocess executor),
+            # which nothing ends when the orchestrator is SIGKILLed: the kernel ends it then, and its
+            # death ends the agents and workers (``vlm_assets.launch.lifeline``).
+            die_with_parent()
         # Dagster's own session code calls its preview `expected_writer_count`: the warning is about
         # Dagster's internals, not this launch, and would read as trouble in every run log.
         with _without(dg.PreviewWarning), dg.open_pipes_session(

@@ -166,7 +166,7 @@ def _close_dead_attempts(context: dg.AssetExecutionContext, mlflow: MlflowTracki
     """Make the records of an attempt that died (its process killed: no code of it ran to say so)
     tell the truth: its MLflow runs end KILLED, and its Dagster run, if this lease replaced its
     expired one and it is still marked in progress, is marked failed."""
-    if killed := mlflow.end_orphaned_runs(key):
+    if killed := mlflow.end_orphaned_runs(cache_key=key):
         context.log.warning(f"ended MLflow run(s) {', '.join(killed)} of {key} as KILLED: their process died")
     dead = lease.taken_over
     if dead is not None and dead.holder.get("run_id") != context.run.run_id:

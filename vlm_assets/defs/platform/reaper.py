@@ -3,15 +3,16 @@ back its training-pool slot.
 
 A SIGKILLed step runs no code, so its Dagster run stays STARTED and keeps the concurrency slot of the
 `vlm_training` pool; with the pool's limit reached, every later training step would wait for that
-slot forever. Dagster's own run monitoring cannot see it: it needs a run launcher with worker health
-checks, and the embedded default's launcher (and `dagster job execute`) has none (K8sRunLauncher
-has: turn `run_monitoring` on in the Kubernetes deployment's dagster.yaml). The store's leases can
-see it: a run that held a lease whose holder stopped renewing it (or whose process on this host is
-gone) is dead. ``reap_dead_runs`` marks such runs failed and frees their slots. It runs when the code
-location loads (each `dagster job execute` / `dagster asset materialize`, and `dagster dev`'s start)
-and every minute in the daemon (the `dead_run_reaper` sensor). The next attempt at the key then
-takes the lease over, ends the dead attempt's MLflow runs as KILLED and resumes from its last
-checkpoint (``vlm_assets.defs.platform.memo``).
+slot forever. Runs launched by the daemon or the UI are caught by Dagster's run monitoring
+(dagster.yaml; ``vlm_assets.defs.platform.run_launcher`` tells it whether a run's worker is alive).
+A run started by `dagster job execute` has no launcher to ask; the store's leases see it: a run that
+held a lease whose holder stopped renewing it (or whose process on this host is gone) is dead.
+``reap_dead_runs`` marks such runs failed and frees their slots. It runs when the code location
+loads (each `dagster job execute` / `dagster asset materialize`, and `dagster dev`'s start) and
+every minute in the daemon (the `dead_run_reaper` sensor). The next attempt at the key then takes
+the lease over, ends the dead attempt's MLflow runs as KILLED and resumes from its last checkpoint
+(``vlm_assets.defs.platform.memo``). However a run is marked failed, ``killed_run_tracking`` ends
+its MLflow runs left RUNNING as KILLED.
 """
 
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import dagster as dg
 
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 from vlm_assets.storage import ArtifactStore
 from vlm_assets.storage.lease import LeaseState
 
@@ -62,3 +64,11 @@ def dead_run_reaper(context: dg.SensorEvaluationContext, artifact_store: Artifac
     """Marks failed the runs whose training or build step was killed outright, and frees their pool slots."""
     reaped = reap_dead_runs(context.instance, artifact_store.get_store(), artifact_store.lease_ttl_s, context.log.warning)
     return dg.SkipReason(f"reaped {len(reaped)} dead run(s)" if reaped else "no dead runs")
+
+
+@dg.run_failure_sensor(default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=15)
+def killed_run_tracking(context: dg.RunFailureSensorContext, mlflow: MlflowTrackingResource):
+    """A failed run's MLflow runs still RUNNING were left by a process killed outright (a step that
+    fails normally ends its own run FAILED): they end KILLED."""
+    if killed := mlflow.end_orphaned_runs(dagster_run_id=context.dagster_run.run_id):
+        context.log.warning(f"ended MLflow run(s) {', '.join(killed)} of run {context.dagster_run.run_id} as KILLED")

@@ -123,12 +123,16 @@ class MlflowTrackingResource(dg.ConfigurableResource):
             raise
         client.set_terminated(run.info.run_id, status="FINISHED")
 
-    def end_orphaned_runs(self, cache_key: str) -> list[str]:
-        """End as KILLED the runs of ``cache_key`` still RUNNING: their process died without ending
-        them. Only the holder of the key's lease calls this, so none of them is alive."""
+    def end_orphaned_runs(self, *, cache_key: str | None = None, dagster_run_id: str | None = None) -> list[str]:
+        """End as KILLED the runs of ``cache_key`` (or of a Dagster run) still RUNNING: their process
+        died without ending them. Called by the holder of the key's lease (so none of them is
+        alive), or once the Dagster run is marked failed (``vlm_assets.defs.platform.reaper``)."""
+        if (cache_key is None) == (dagster_run_id is None):
+            raise ValueError("end_orphaned_runs: give exactly one of cache_key and dagster_run_id")
+        tag, value = ("vlm_assets.cache_key", cache_key) if cache_key else ("dagster.run_id", dagster_run_id)
         client = self.client()
         runs = client.search_runs([self.experiment_id()], filter_string=(
-            f"tags.`vlm_assets.cache_key` = '{cache_key}' and attributes.status = 'RUNNING'"))
+            f"tags.`{tag}` = '{value}' and attributes.status = 'RUNNING'"))
         for run in runs:
             client.set_terminated(run.info.run_id, status="KILLED")
         return [run.info.run_id for run in runs]
