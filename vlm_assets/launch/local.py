@@ -60,7 +60,8 @@ def torchrun_command(spec: LaunchSpec, endpoint: str, run_id: str) -> list[str]:
     return wrap_agent([
         f"--nnodes={spec.num_nodes}", f"--nproc-per-node={spec.nproc_per_node}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-        f"--rdzv-conf=join_timeout={spec.rendezvous_timeout_s}",
+        # is_host=false: the rendezvous store is the launcher's (run_local), not an agent's.
+        f"--rdzv-conf=join_timeout={spec.rendezvous_timeout_s},is_host=false",
         "--max-restarts=0",  # a failed job is retried by the orchestrator, from the last checkpoint
         *worker_entry(spec.module), *spec.args,
     ])
@@ -68,7 +69,14 @@ def torchrun_command(spec: LaunchSpec, endpoint: str, run_id: str) -> list[str]:
 
 def run_local(spec: LaunchSpec, on_line: Callable[[str], None] = print, env: Mapping[str, str] | None = None) -> None:
     """Run ``spec`` to completion on this machine; raise ``LaunchFailed`` if any node fails or it times out."""
-    endpoint = f"127.0.0.1:{free_port()}"
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    # The c10d rendezvous store lives in this process, which outlives every agent. Hosted by the
+    # first agent (torchrun's default), it can exit while the others still shut the rendezvous
+    # down, and each of them then logs a connection error with a C++ stack trace.
+    rendezvous_store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     run_id = uuid.uuid4().hex[:12]
     from vlm_assets.launch.lifeline import PARENT_ENV  # imported here: see torchrun_command
 
@@ -93,6 +101,7 @@ def run_local(spec: LaunchSpec, on_line: Callable[[str], None] = print, env: Map
         for proc in nodes:
             if proc.stdout:
                 proc.stdout.close()
+        del rendezvous_store  # only now that no agent is left to use it
 
 
 def _pump(node: int, proc: subprocess.Popen, lines: queue.Queue) -> None:

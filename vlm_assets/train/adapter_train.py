@@ -18,14 +18,15 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 from vlm_assets.storage import store_from_spec
 from vlm_assets.train.adapter_config import AdapterTrainConfig
 from vlm_assets.train.adapter_module import AdapterModule, OcclusionSamples, collate
-from vlm_assets.train.checkpoints import StoreCheckpoint, latest_checkpoint
-from vlm_assets.train.reporting import Reporter
+from vlm_assets.train.checkpoints import CHECKPOINT_FILE, CHECKPOINT_NAME, StoreCheckpointIO, latest_checkpoint
+from vlm_assets.train.reporting import Reporter, quiet_lightning
 from vlm_assets.train.run_config import RunPaths, read_run_file
 
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
@@ -35,15 +36,18 @@ warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode a
 
 
 class EpochHistory(L.Callback):
-    """Train metrics every ``every`` steps; per-epoch train/val means. Saved in every checkpoint."""
+    """Per-epoch rows for ``history.json``, the materialization and the loggers (``train_epoch/<name>``):
+    the means of the train values the module logged this epoch, and the validation metrics. Lightning
+    logs the module's own values. Saved in every checkpoint, so a resumed run's history covers the
+    whole run. (Lightning's ``on_epoch=True`` would log the train means only at the end of the
+    training epoch, after this epoch's validation has been logged, one step earlier on the x-axis.)"""
 
-    def __init__(self, reporter: Reporter, every: int):
-        self.reporter, self.every = reporter, every
+    def __init__(self, reporter: Reporter):
+        self.reporter = reporter
         self.epochs: list[dict[str, float]] = []
         self.resumed_from_epoch: int | None = None
         self._sums: dict[str, float] = {}
         self._count = 0
-        self._last_step = -1
 
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.global_step:  # restored: the history came back with the checkpoint
@@ -54,22 +58,25 @@ class EpochHistory(L.Callback):
         self._sums, self._count = {}, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
-        for k, v in metrics.items():
-            self._sums[k] = self._sums.get(k, 0.0) + v
+        for k, v in trainer.callback_metrics.items():
+            if k.startswith("train/"):
+                self._sums[k] = self._sums.get(k, 0.0) + float(v)
         self._count += 1
-        if trainer.global_step != self._last_step and trainer.global_step % self.every == 0:
-            self._last_step = trainer.global_step
-            self.reporter.metrics(metrics, trainer.global_step)
+        pl_module.log("step", float(trainer.global_step))  # the loggers' x-axis: the optimizer step
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        row = {"epoch": trainer.current_epoch, "step": trainer.global_step,
-               **{k: v / max(self._count, 1) for k, v in self._sums.items()},
-               **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
-        self.epochs.append(row)
-        self.reporter.metrics({k: v for k, v in row.items() if "/" in k}, trainer.global_step)
+        # The mean over every rank's batches (a collective: every rank is here).
+        means = {k: float(trainer.strategy.reduce(torch.tensor(v / max(self._count, 1), device=pl_module.device),
+                                                  reduce_op="mean"))
+                 for k, v in sorted(self._sums.items())}
+        self.epochs.append({"epoch": trainer.current_epoch, "step": trainer.global_step, **means,
+                            **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}})
+        # Equal on every rank already (Lightning asks epoch-level values to be synced); "step":
+        # validation runs before Lightning counts the step.
+        pl_module.log_dict({**{k.replace("train/", "train_epoch/", 1): v for k, v in means.items()},
+                            "step": float(trainer.global_step)}, sync_dist=True)
 
     def state_dict(self) -> dict:
         return {"epochs": self.epochs}
@@ -78,32 +85,49 @@ class EpochHistory(L.Callback):
         self.epochs = state["epochs"]
 
 
-def build_trainer(config: AdapterTrainConfig, callbacks) -> L.Trainer:
+def build_trainer(config: AdapterTrainConfig, callbacks, loggers, checkpoint_io: StoreCheckpointIO) -> L.Trainer:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
     strategy = config.strategy if config.strategy != "auto" else ("deepspeed" if cuda else "ddp")
     if strategy == "deepspeed":
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-
-        strategy_obj = DeepSpeedStrategy(stage=2, exclude_frozen_parameters=True)
+        strategy_obj = _store_deepspeed_strategy(checkpoint_io)
     else:
         from lightning.pytorch.strategies import DDPStrategy
 
-        strategy_obj = DDPStrategy(process_group_backend="nccl" if cuda else "gloo")
+        strategy_obj = DDPStrategy(process_group_backend="nccl" if cuda else "gloo", checkpoint_io=checkpoint_io)
     return L.Trainer(
         accelerator="gpu" if cuda else "cpu", devices=local_world, num_nodes=world // local_world,
         strategy=strategy_obj, precision="bf16-mixed" if cuda else "32-true", max_epochs=config.epochs,
         accumulate_grad_batches=config.accumulation(world), gradient_clip_val=config.grad_clip or None,
-        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=callbacks,
+        num_sanity_val_steps=0, logger=loggers, log_every_n_steps=config.log_every, callbacks=callbacks,
+        enable_progress_bar=False, enable_model_summary=False,
     )
+
+
+def _store_deepspeed_strategy(checkpoint_io: StoreCheckpointIO):
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    class StoreDeepSpeedStrategy(DeepSpeedStrategy):
+        """DeepSpeed writes its checkpoints itself (a directory every rank writes its shards into),
+        never through a ``CheckpointIO``: the directory is committed the same way once all ranks
+        have written it."""
+
+        def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+            local = Path(self.broadcast(str(Path(filepath).with_suffix(""))))
+            super().save_checkpoint(checkpoint, local / CHECKPOINT_FILE, storage_options)
+            self.barrier("deepspeed checkpoint written")
+            if self.is_global_zero:
+                checkpoint_io.commit(local, checkpoint["global_step"], checkpoint["epoch"])
+
+    return StoreDeepSpeedStrategy(stage=2, exclude_frozen_parameters=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True, help="a run file: AdapterTrainConfig + RunPaths")
     config, paths = read_run_file(parser.parse_args(argv).config, AdapterTrainConfig)
+    quiet_lightning()
     rank = int(os.environ.get("RANK", 0))
     with Reporter.open(rank, paths.mlflow_tracking_uri, paths.mlflow_run_id) as reporter:
         train(config, paths, rank, reporter)
@@ -118,10 +142,13 @@ def train(config: AdapterTrainConfig, paths: RunPaths, rank: int, reporter: Repo
     store = store_from_spec(paths.checkpoint_store)
     cache = Path(paths.cache_dir) / f"rank{rank}"
     resume = latest_checkpoint(store, paths.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
-    history = EpochHistory(reporter, config.log_every)
-    checkpoints = StoreCheckpoint(store, paths.checkpoint_prefix, every=1, val_every=1, keep_last=2,
-                                  staging=cache / "staging", log=reporter.log)
-    trainer = build_trainer(config, [history, checkpoints])
+    history = EpochHistory(reporter)
+    # After every validation, i.e. every epoch (the validation loop runs at each epoch's end).
+    checkpoints = ModelCheckpoint(dirpath=cache / "staging", filename=CHECKPOINT_NAME, auto_insert_metric_name=False,
+                                  every_n_epochs=1, save_on_train_epoch_end=False, save_top_k=-1,
+                                  enable_version_counter=False)
+    checkpoint_io = StoreCheckpointIO(store, paths.checkpoint_prefix, keep_last=2, log=reporter.log)
+    trainer = build_trainer(config, [history, checkpoints], reporter.loggers(), checkpoint_io)
     module = AdapterModule(config, backbone)
     loaders = [DataLoader(data, batch_size=config.micro_batch_size, shuffle=shuffle, collate_fn=collate)
                for data, shuffle in ((train_data, True), (val_data, False))]

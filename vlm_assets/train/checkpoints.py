@@ -1,21 +1,27 @@
 """Checkpoints committed through the artifact store (local or S3), and finding the one to resume from.
 
-Every ``every`` optimizer steps (and at the end) the trainer writes one consolidated Lightning
-checkpoint (model, optimizer, LR scheduler, loop progress, callback state, and the data module's
-streaming position) and rank 0 commits it atomically as ``<prefix>/step-<N>``; only the newest
-``keep_last`` are kept. On start every rank takes the newest checkpoint whose files still match their
-checksums: a truncated or damaged one is reported and skipped for the previous complete one.
+Lightning's ``ModelCheckpoint`` (``StepCheckpoint``) decides when: every ``every`` optimizer steps
+and at the end. The trainer writes one consolidated checkpoint (model, optimizer, LR scheduler,
+loop progress, callback state, and the data module's streaming position), and Lightning hands it
+to its ``CheckpointIO`` plugin on global rank 0: ``StoreCheckpointIO`` commits it atomically as
+``<prefix>/step-<N>`` and keeps the newest ``keep_last``. On start every rank takes the newest
+checkpoint whose files still match their checksums: a truncated or damaged one is reported and
+skipped for the previous complete one.
 """
 
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from vlm_assets.storage import ArtifactStore, CorruptArtifactError
 
 CHECKPOINT_FILE = "checkpoint.ckpt"
+CHECKPOINT_NAME = "step-{step:08d}"  # ModelCheckpoint's file name: StoreCheckpointIO commits it as <prefix>/step-<N>
 
 
 def step_key(prefix: str, step: int) -> str:
@@ -35,33 +41,36 @@ def latest_checkpoint(store: ArtifactStore, prefix: str, log: Callable[[str], No
     return None
 
 
-class StoreCheckpoint(L.Callback):
-    def __init__(self, store: ArtifactStore, prefix: str, *, every: int, keep_last: int, val_every: int,
-                 staging: Path, log: Callable[[str], None]):
-        self.store, self.prefix, self.every, self.keep_last = store, prefix, every, keep_last
-        self.val_every = val_every
-        self.staging, self.report = staging, log
-        self._last_saved = -1
+class StoreCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO with the artifact store behind it. ``path`` is a local staging file
+    (``.../step-<N>.ckpt``, named by ``StepCheckpoint``): the checkpoint is written there, committed
+    as ``<prefix>/step-<N>`` and the staging copy removed; then all but the newest ``keep_last`` are
+    deleted from the store. The rotation is here and not ModelCheckpoint's ``save_top_k`` because
+    that bookkeeping is keyed by local paths, which change with every attempt's scratch directory:
+    after a relaunch it would forget the checkpoints of the attempt it resumes; the store's listing
+    is the truth across attempts."""
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._last_saved = trainer.global_step  # a resumed run does not re-save the step it resumed at
+    def __init__(self, store: ArtifactStore, prefix: str, *, keep_last: int, log: Callable[[str], None]):
+        super().__init__()
+        self.store, self.prefix, self.keep_last, self.report = store, prefix, keep_last, log
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # global_step only moves on the micro-batch that stepped the optimizer, so this never saves
-        # in the middle of a gradient accumulation. A step that validates is saved after validation,
-        # so the checkpoint's history holds that validation too.
-        step = trainer.global_step
-        if step != self._last_saved and step % self.every == 0 and step % self.val_every != 0:
-            self.save(trainer)
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        local = Path(path).with_suffix("")  # .../step-<N>/checkpoint.ckpt: the layout of a committed one
+        super().save_checkpoint(checkpoint, local / CHECKPOINT_FILE, storage_options)
+        self.commit(local, checkpoint["global_step"], checkpoint["epoch"])
 
-    def on_validation_end(self, trainer, pl_module) -> None:
-        step = trainer.global_step
-        if trainer.state.fn == "fit" and step != self._last_saved and step % self.every == 0:
-            self.save(trainer)
+    def commit(self, local: Path, step: int, epoch: int) -> None:
+        key = step_key(self.prefix, step)
+        self._drop_if_damaged(key)
+        ref = self.store.commit(key, local, metadata={"step": step, "epoch": epoch})
+        shutil.rmtree(local, ignore_errors=True)
+        for old in self.store.list_complete(self.prefix)[: -self.keep_last]:
+            self.store.delete(old)
+        self.report(f"checkpoint step {step} committed: {ref.uri}")
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        if trainer.global_step != self._last_saved:
-            self.save(trainer)
+    def remove_checkpoint(self, path) -> None:
+        if match := re.fullmatch(r"step-(\d+)(\.ckpt)?", Path(path).name):
+            self.store.delete(step_key(self.prefix, int(match.group(1))))
 
     def _drop_if_damaged(self, key: str) -> None:
         """A commit never replaces a complete artifact (the first commit of a key wins), so a damaged
@@ -75,19 +84,40 @@ class StoreCheckpoint(L.Callback):
             self.report(f"replacing damaged checkpoint {key}: {err}")
             self.store.delete(key)
 
-    def save(self, trainer: L.Trainer) -> None:
+
+class StepCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` every ``every`` optimizer steps and at the end of training, into
+    ``staging`` (``StoreCheckpointIO`` commits each one). Two things ModelCheckpoint does not do by
+    itself, added here:
+
+    - a step that also validates is saved *after* its validation. ModelCheckpoint saves in
+      ``on_train_batch_end``, before that step's validation, and Lightning resumes such a
+      checkpoint past the validation point without running it: a resumed run would miss it;
+    - a resumed run does not save again the step it resumed at (ModelCheckpoint's memory of the
+      last saved step is not part of its checkpointed state).
+    """
+
+    def __init__(self, staging: Path, *, every: int, val_every: int):
+        super().__init__(dirpath=staging, filename=CHECKPOINT_NAME, auto_insert_metric_name=False,
+                         every_n_train_steps=every, save_top_k=-1, enable_version_counter=False)
+        self.every, self.val_every = every, val_every
+
+    def _validates(self, step: int) -> bool:
+        return step % self.val_every == 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._last_global_step_saved = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self._validates(trainer.global_step):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
         step = trainer.global_step
-        local = self.staging / f"step-{step:08d}"
-        # Collective; rank 0 writes one consolidated file. Full state (optimizer, loops, callbacks,
-        # streaming position), so not weights-only.
-        trainer.save_checkpoint(local / CHECKPOINT_FILE, weights_only=False)
-        if trainer.is_global_zero:
-            key = step_key(self.prefix, step)
-            self._drop_if_damaged(key)
-            ref = self.store.commit(key, local, metadata={"step": step, "epoch": trainer.current_epoch})
-            shutil.rmtree(local, ignore_errors=True)
-            for old in self.store.list_complete(self.prefix)[: -self.keep_last]:
-                self.store.delete(old)
-            self.report(f"checkpoint step {step} committed: {ref.uri}")
-        trainer.strategy.barrier("checkpoint committed")
-        self._last_saved = step
+        if not self._should_skip_saving_checkpoint(trainer) and step % self.every == 0 and self._validates(step):
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._last_global_step_saved != trainer.global_step:
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))

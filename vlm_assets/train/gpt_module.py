@@ -11,8 +11,7 @@ from vlm_assets.data.token_stream import collate_tokens, token_dataset
 from vlm_assets.models.gpt import GPT, GPTConfig
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.parallelize import apply_activation_checkpointing, apply_fsdp2
-
-MAX_LOG_PPL_LOSS = 20.0  # perplexity = exp(min(loss, 20)): finite in the first steps
+from vlm_assets.train.reporting import MAX_LOG_PPL_LOSS
 
 
 def perplexity(loss: torch.Tensor) -> torch.Tensor:
@@ -59,14 +58,12 @@ class GPTPretrainModule(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         _, loss = self(batch["input_ids"], batch["labels"])
-        self.step_losses.append(loss.detach().float().item())
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/perplexity", perplexity(loss))
+        self.step_losses.append(loss.detach().float().item())  # logged per optimizer step: TrainingHistory
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         _, loss = self(batch["input_ids"], batch["labels"])
-        self.log("val/loss", loss, sync_dist=True, prog_bar=True)
+        self.log("val/loss", loss, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         loss = self.trainer.callback_metrics.get("val/loss")
@@ -97,7 +94,11 @@ class TokenDataModule(L.LightningDataModule):
     """``token_shards`` through ``StreamingDataset``: streaming partitions samples over ranks itself
     (Lightning's distributed sampler is switched off by the trainer), and the train position is part
     of every checkpoint: the number of samples consumed this epoch, counted on batches the model
-    actually received (not those Lightning prefetched), in streaming's own resume format."""
+    actually received (not those Lightning prefetched), in streaming's own resume format.
+
+    Counted here, not by streaming's ``StreamingDataLoader.state_dict``: that one counts the batches
+    the loader has yielded, and Lightning's fit loop fetches one batch ahead (to know the last one), so
+    a checkpoint would resume one batch past what the model consumed."""
 
     def __init__(self, config: PretrainConfig, shards_uri: str, cache_dir: str):
         super().__init__()

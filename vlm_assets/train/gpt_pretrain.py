@@ -26,18 +26,22 @@ from vlm_assets.data.token_stream import reference_batch
 from vlm_assets.models.gpt import GPT, preset
 from vlm_assets.models.gpt_export import export_hf
 from vlm_assets.storage import store_from_spec
-from vlm_assets.train.checkpoints import CHECKPOINT_FILE, StoreCheckpoint, latest_checkpoint, step_key
+from vlm_assets.train.checkpoints import (CHECKPOINT_FILE, StepCheckpoint, StoreCheckpointIO, latest_checkpoint,
+                                          step_key)
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.run_config import RunPaths, read_run_file
 from vlm_assets.train.gpt_module import GPTPretrainModule, TokenDataModule
-from vlm_assets.train.reporting import Reporter, TrainingHistory
+from vlm_assets.train.reporting import Reporter, TrainingHistory, quiet_lightning
 
 REFERENCE_SAMPLES = 8
 # Lightning only knows resumable *loaders*; the position is restored by TokenDataModule.load_state_dict.
 warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*")
+# StreamingDataset has a length and partitions samples over ranks and loader workers itself: the
+# duplicate-samples risk Lightning warns about for iterable datasets with a length does not apply.
+warnings.filterwarnings("ignore", message=r".*Your `IterableDataset` has `__len__` defined")
 
 
-def build_trainer(config: PretrainConfig, callbacks: list[L.Callback]) -> L.Trainer:
+def build_trainer(config: PretrainConfig, callbacks: list[L.Callback], loggers, checkpoint_io) -> L.Trainer:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
@@ -52,8 +56,8 @@ def build_trainer(config: PretrainConfig, callbacks: list[L.Callback]) -> L.Trai
         accumulate_grad_batches=accumulation, val_check_interval=config.val_check_interval * accumulation,
         check_val_every_n_epoch=None, limit_val_batches=config.val_batches, num_sanity_val_steps=0,
         use_distributed_sampler=False,  # streaming shards the samples over ranks itself
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=callbacks,
+        logger=loggers, log_every_n_steps=config.log_every, callbacks=callbacks, plugins=[checkpoint_io],
+        enable_progress_bar=False, enable_model_summary=False,
     )
 
 
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True, help="a run file: PretrainConfig + RunPaths")
     config, paths = read_run_file(parser.parse_args(argv).config, PretrainConfig)
+    quiet_lightning()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     with Reporter.open(rank, paths.mlflow_tracking_uri, paths.mlflow_run_id) as reporter:
         train(config, paths, rank, world, reporter)
@@ -77,10 +82,10 @@ def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, report
     cache = Path(paths.cache_dir) / f"rank{rank}"
     resume = latest_checkpoint(store, paths.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
     tokens_per_step = config.global_batch_size * summary["max_length"]
-    history = TrainingHistory(reporter, config.log_every, config.max_steps, tokens_per_step)
-    checkpoints = StoreCheckpoint(store, paths.checkpoint_prefix, every=config.checkpoint_every,
-                                  keep_last=config.keep_last, val_every=config.val_check_interval, staging=cache / "staging", log=reporter.log)
-    trainer = build_trainer(config, [history, checkpoints])
+    history = TrainingHistory(reporter, config.max_steps, tokens_per_step)
+    checkpoints = StepCheckpoint(cache / "staging", every=config.checkpoint_every, val_every=config.val_check_interval)
+    checkpoint_io = StoreCheckpointIO(store, paths.checkpoint_prefix, keep_last=config.keep_last, log=reporter.log)
+    trainer = build_trainer(config, [history, checkpoints], reporter.loggers(), checkpoint_io)
     module = GPTPretrainModule(model_config, config, lr)
     data = TokenDataModule(config, shards_uri, paths.cache_dir)
     reporter.log(f"GPT {config.preset} ({model_config}), {config.strategy} on {world} process(es), "
@@ -89,7 +94,10 @@ def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, report
     trainer.fit(module, datamodule=data, ckpt_path=str(resume[1]) if resume else None,
                 weights_only=False)  # our own full checkpoint, its sha256 verified against the manifest
     tokens_per_s = history.tokens_per_s(trainer.global_step)
-    final_val = trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"]
+    if history.val and history.val[-1]["step"] == trainer.global_step:  # fit validated at its last step
+        final_val = history.val[-1]["loss"]
+    else:
+        final_val = trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"]
 
     # Every rank takes part in gathering the full (unsharded) weights; rank 0 writes them out.
     state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

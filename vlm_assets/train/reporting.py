@@ -1,37 +1,59 @@
-"""What a training process reports, and to whom: global rank 0 talks to Dagster through Pipes (when
-launched by Dagster) and to MLflow (when given a run); every other rank stays quiet. Run by hand with
-plain ``torchrun``, the same reports go to stdout."""
+"""What a training process reports, and to whom. Metrics go through Lightning's loggers: MLflow's
+(``MLFlowLogger``, attached to the asset's MLflow run) and a small Pipes logger (one Dagster log line
+per report); logs and the final materialization metadata go through Dagster Pipes. Global rank 0
+reports; every other rank stays quiet. Run by hand with plain ``torchrun``, the same reports go to
+stdout."""
 
 import contextlib
 import json
+import logging
+import math
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.loggers import Logger, MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+
+def quiet_lightning() -> None:
+    """Keep Lightning's start-up banner out of the Dagster log (the accelerator, TPU, distributed
+    set-up and a logging-service tip, on every launch: the launcher already says how it runs), and
+    its warnings about its own internals."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Lightning 2.6 calls a torch.utils._pytree API that torch deprecated: nothing of ours.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
+MAX_LOG_PPL_LOSS = 20.0  # perplexity = exp(min(loss, 20)): finite in the first steps
 
 
 class Reporter:
-    def __init__(self, rank: int, pipes=None, mlflow=None, run_id: str | None = None):
-        self.rank, self.pipes, self.mlflow, self.run_id = rank, pipes, mlflow, run_id
+    def __init__(self, rank: int, pipes=None, tracking_uri: str | None = None, run_id: str | None = None):
+        self.rank, self.pipes, self.tracking_uri, self.run_id = rank, pipes, tracking_uri, run_id
 
     @classmethod
     @contextlib.contextmanager
     def open(cls, rank: int, tracking_uri: str | None, run_id: str | None) -> Iterator["Reporter"]:
         if rank != 0:
-            yield cls(rank)
+            yield cls(rank, None, tracking_uri, run_id)
             return
         from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 
-        client = None
-        if tracking_uri and run_id:
-            from mlflow.tracking import MlflowClient
-
-            client = MlflowClient(tracking_uri)
         with contextlib.ExitStack() as stack:
             pipes = stack.enter_context(open_dagster_pipes()) if PipesEnvVarParamsLoader().is_dagster_pipes_process() else None
-            yield cls(rank, pipes, client, run_id)
+            yield cls(rank, pipes, tracking_uri, run_id)
+
+    def loggers(self) -> list[Logger]:
+        """Lightning loggers for the trainer (the same list on every rank; Lightning logs on rank 0)."""
+        loggers: list[Logger] = [PipesLogger(self)]
+        if self.tracking_uri and self.run_id:
+            loggers.append(StepRunMLFlowLogger(tracking_uri=self.tracking_uri, run_id=self.run_id))
+        return loggers
 
     def log(self, message: str) -> None:
         if self.rank != 0:
@@ -40,16 +62,6 @@ class Reporter:
             self.pipes.log.info(message)
         else:
             print(message, flush=True)
-
-    def metrics(self, values: dict[str, float], step: int) -> None:
-        if self.rank != 0:
-            return
-        if self.mlflow is not None:
-            from mlflow.entities import Metric
-
-            now = int(time.time() * 1000)
-            self.mlflow.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
-        self.log(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in values.items()))
 
     def materialization(self, metadata: dict[str, Any]) -> None:
         if self.rank != 0:
@@ -60,12 +72,51 @@ class Reporter:
             print(json.dumps({"materialization": metadata}), flush=True)
 
 
-class TrainingHistory(L.Callback):
-    """Per-step train loss and learning rate, per-validation val loss, reported every ``every`` steps.
-    Its state is saved in every checkpoint, so a resumed run's history covers the whole run."""
+class PipesLogger(Logger):
+    """Lightning logger writing each report as one line, ``step N: name=value ...``, to the Dagster
+    run log (through Pipes when launched by Dagster, stdout otherwise)."""
 
-    def __init__(self, reporter: Reporter, every: int, max_steps: int, tokens_per_step: int):
-        self.reporter, self.every, self.max_steps, self.tokens_per_step = reporter, every, max_steps, tokens_per_step
+    def __init__(self, reporter: Reporter):
+        super().__init__()
+        self.reporter = reporter
+
+    @property
+    def name(self) -> str:
+        return "dagster"
+
+    @property
+    def version(self) -> str:
+        return "pipes"
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass  # the asset's MLflow run holds the config as params; the Dagster log shows it at launch
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        shown = {k: v for k, v in sorted(metrics.items()) if k != "epoch"}
+        if shown:
+            self.reporter.log(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
+
+
+class StepRunMLFlowLogger(MLFlowLogger):
+    """``MLFlowLogger`` on the asset's MLflow run, which the Dagster step opened and ends itself."""
+
+    @rank_zero_only
+    def finalize(self, status: str = "success") -> None:
+        # MLFlowLogger.finalize ends the run when fit returns: before the step has exported and
+        # committed the model, and as FINISHED even when the step fails after training.
+        pass
+
+
+class TrainingHistory(L.Callback):
+    """Per-step train loss and learning rate, per-validation val loss, kept for ``history.json`` and
+    the loss plot; the step's metrics are logged through the trainer's loggers, which report them
+    every ``log_every_n_steps``. Its state is saved in every checkpoint, so a resumed run's history
+    covers the whole run."""
+
+    def __init__(self, reporter: Reporter, max_steps: int, tokens_per_step: int):
+        self.reporter, self.max_steps, self.tokens_per_step = reporter, max_steps, tokens_per_step
         self.train: list[dict[str, float]] = []
         self.val: list[dict[str, float]] = []
         self.resumed_from_step: int | None = None
@@ -82,21 +133,27 @@ class TrainingHistory(L.Callback):
         step = trainer.global_step
         if not pl_module.step_losses or (self.train and self.train[-1]["step"] >= step) or step == self._start_step:
             return  # still accumulating this optimizer step
+        # The optimizer step's loss is the mean over its micro-batches: a value logged in
+        # training_step would be reported as the last micro-batch's alone.
         loss = sum(pl_module.step_losses) / len(pl_module.step_losses)
         pl_module.step_losses.clear()
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         self.train.append({"step": step, "loss": loss, "lr": lr})
-        if step % self.every == 0 or step == self.max_steps:
-            self.reporter.metrics({"train/loss": loss, "train/lr": lr, "train/tokens_per_s": self.tokens_per_s(step)}, step)
+        # ThroughputMonitor would report tokens/s only once its 100-batch window fills; "step" sets
+        # the loggers' x-axis to the optimizer step (Lightning's default is one less here).
+        pl_module.log_dict({"train/loss": loss, "train/perplexity": math.exp(min(loss, MAX_LOG_PPL_LOSS)),
+                            "train/lr": lr, "train/tokens_per_s": self.tokens_per_s(step), "step": float(step)})
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:
             return
+        # "step": validation runs before Lightning counts the step; the same on every rank (synced
+        # only because Lightning asks epoch-level values to be).
+        pl_module.log("step", float(trainer.global_step), sync_dist=True)
         loss = float(trainer.callback_metrics["val/loss"])
         if self.val and self.val[-1]["step"] == trainer.global_step:
             return
         self.val.append({"step": trainer.global_step, "loss": loss})
-        self.reporter.metrics({"val/loss": loss}, trainer.global_step)
 
     def tokens_per_s(self, step: int) -> float:
         """Training tokens per second of this process' run (a resumed run counts from its restart)."""

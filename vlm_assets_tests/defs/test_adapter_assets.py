@@ -81,6 +81,20 @@ def test_checkpoints_hold_only_the_adapter(pipeline):
         f"adapter.net.{i}.{p}" for i in (0, 2, 4) for p in ("bias", "weight"))
     assert (env.store.local_path(checkpoints[-1]) / "checkpoint.ckpt").stat().st_size < 1_000_000
     assert len(ckpt["callbacks"]["EpochHistory"]["epochs"]) == 3
+    assert any(name.startswith("ModelCheckpoint") for name in ckpt["callbacks"])
+
+
+def test_lightning_logged_the_metrics_into_the_assets_mlflow_run(pipeline):
+    env, result = pipeline
+    run_id = meta(result, "occlusion_adapter")["mlflow_run_id"]
+    client = mlflow.MlflowClient(env.uri)
+    history = json.loads((Path(meta(result, "occlusion_adapter")["uri"]) / "history.json").read_text())["epochs"]
+    # Each epoch's train mean and validation, at the step that ended the epoch.
+    epochs = client.get_metric_history(run_id, "train_epoch/loss")
+    assert [(m.step, m.value) for m in epochs] == [(row["step"], pytest.approx(row["train/loss"])) for row in history]
+    assert [m.step for m in client.get_metric_history(run_id, "val/loss")] == [row["step"] for row in history]
+    assert len(client.get_metric_history(run_id, "train/loss")) >= 3  # every log_every steps
+    assert client.get_run(run_id).info.status == "FINISHED"
 
 
 def test_html_report_shows_the_cards(pipeline):

@@ -2,7 +2,6 @@
 (the MLflow Model Registry entry, whose ``champion`` alias moves only when the eval checks pass)."""
 
 import json
-import warnings
 from pathlib import Path
 
 import dagster as dg
@@ -149,10 +148,7 @@ def log_adapter_model(run: TrackedRun, root: Path, tracking_uri: str) -> str:
                                outputs=Schema([ColSpec("string", "label")]))
     example = _input_example(info)
     mlflow_lib.set_tracking_uri(tracking_uri)
-    with mlflow_lib.start_run(run_id=run.run_id), warnings.catch_warnings():
-        # The signature above is the contract (a base64 PNG column and a box column): MLflow's advice to
-        # infer one from `predict`'s type hints instead cannot express it, so its warning is noise.
-        warnings.filterwarnings("ignore", message=r".*Add type hints to the `predict` method")
+    with mlflow_lib.start_run(run_id=run.run_id):  # the signature above is the contract (adapter_pyfunc)
         logged = mlflow_lib.pyfunc.log_model(
             name="model", python_model=str(Path(adapter_pyfunc.__file__).with_name("adapter_model.py")), signature=signature, input_example=example,
             artifacts={"adapter": str(root / "adapter.safetensors"), "backbone": str(root / "backbone.json")})
