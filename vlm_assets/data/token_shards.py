@@ -22,6 +22,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,14 @@ def _tiktoken_encoding(tokenizer):
 _WORKER_ENCODER: tuple[Callable[[list[str]], list[list[int]]], int] | None = None
 
 
+def _worker_signals() -> None:
+    """A worker ends quietly when the pool is terminated (SIGTERM; e.g. ``max_samples`` reached), not
+    through the handler it inherited from its parent (Dagster's raises an interrupt and prints it);
+    Ctrl-C is the parent's to handle. A parent killed outright leaves them EOF on the task queue."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _encode_flat(docs: list[str]) -> np.ndarray:
     """``doc EOS doc EOS ...`` of one batch as int32 (runs in a worker: arrays pickle cheaply, lists do not)."""
     assert _WORKER_ENCODER is not None
@@ -124,7 +133,7 @@ def encoded_batches(tokenizer, documents: Iterable[str], workers: int | None = N
     if encoding is None or workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         yield from map(_encode_flat, batches)  # the HF tokenizer's batches are already parallel
         return
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_worker_signals) as pool:
         pending: collections.deque = collections.deque()
         for batch in batches:
             pending.append(pool.apply_async(_encode_flat, (batch,)))
