@@ -116,7 +116,7 @@ def registered_adapter(context: dg.AssetExecutionContext, config: RegisteredAdap
     so the same weights never make a second version and a reset registry or a hand-moved alias is
     mended on the next run. Downstream of the blocking eval checks: it never runs when they fail.
     Load it with ``mlflow.pyfunc.load_model('models:/<name>@<alias>')``."""
-    from vlm_assets.models.adapter_pyfunc import DESCRIPTION
+    from vlm_assets.models.adapter_card import DESCRIPTION
     from vlm_assets.models.registry import register_once
 
     store = artifact_store.get_store()
