@@ -37,8 +37,7 @@ def _precondition_failed(err: ClientError) -> bool:
 
 class S3ArtifactStore(ArtifactStore):
     def __init__(self, client: Any, bucket: str, prefix: str = "", cache_dir: str | os.PathLike[str] | None = None):
-        """``client`` is a boto3 S3 client (``dagster_aws.s3.S3Resource.get_client()`` builds one with
-        ``endpoint_url`` for non-AWS stores). ``cache_dir`` holds verified local copies for readers."""
+        """``client`` is a boto3 S3 client (with ``endpoint_url`` for non-AWS stores). ``cache_dir`` holds verified local copies for readers."""
         if not bucket:
             raise ValueError("S3ArtifactStore: 'bucket' must be set")
         self.client = client

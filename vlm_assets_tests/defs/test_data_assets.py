@@ -210,14 +210,12 @@ def test_bad_token_input_fails_clearly_and_leaves_no_artifact(embedded, offline_
 
 
 def test_token_shards_on_s3_stream_back(embedded, offline_data, s3_bucket, s3_endpoint, tmp_path, monkeypatch):
-    from dagster_aws.s3 import S3Resource
-
     from vlm_assets.data.token_stream import build_token_dataloaders
     from vlm_assets.defs.platform.storage import S3ArtifactStoreResource
 
     _, bucket = s3_bucket
     store = S3ArtifactStoreResource(bucket=bucket, prefix="vlm", cache_dir=str(tmp_path / "s3cache"),
-                                    s3=S3Resource(endpoint_url=s3_endpoint, region_name="us-east-1"))
+                                    endpoint_url=s3_endpoint)
     result = embedded.materialize(TOKENS, tokens_config(offline_data), artifact_store=store)
     assert all(checks_passed(result).values())
     ref = result.output_for_node("token_shards")

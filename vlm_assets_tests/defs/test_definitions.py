@@ -41,7 +41,7 @@ def test_environment_switches(tmp_path, monkeypatch):
     assert local["artifact_store"].root == str(tmp_path / "artifacts")
     assert local["mlflow"].tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
     s3 = resources_for({"VLM_ASSETS_STORE": "s3", "VLM_ASSETS_S3_BUCKET": "b", "AWS_ENDPOINT_URL": "http://x:9000"})
-    assert s3["artifact_store"].bucket == "b" and s3["artifact_store"].s3.endpoint_url == "http://x:9000"
+    assert s3["artifact_store"].bucket == "b" and s3["artifact_store"].endpoint_url == "http://x:9000"
     for bad, message in (({"VLM_ASSETS_STORE": "gcs"}, "expected 'local' or 's3'"),
                          ({"VLM_ASSETS_STORE": "s3"}, "needs VLM_ASSETS_S3_BUCKET"),
                          ({"VLM_ASSETS_LAUNCHER": "slurm"}, "'local' launcher only")):

@@ -13,7 +13,6 @@ import os
 from collections.abc import Mapping
 
 import dagster as dg
-from dagster_aws.s3 import S3Resource
 
 from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
 from vlm_assets.defs.platform.storage import LocalArtifactStoreResource, S3ArtifactStoreResource
@@ -45,12 +44,10 @@ def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.Configura
             bucket=env["VLM_ASSETS_S3_BUCKET"],
             prefix=env.get("VLM_ASSETS_S3_PREFIX", "vlm_assets"),
             cache_dir=str(cache_dir() / "s3"),
-            s3=S3Resource(
-                endpoint_url=env.get("AWS_ENDPOINT_URL"),
-                region_name=env.get("AWS_DEFAULT_REGION", "us-east-1"),
-                aws_access_key_id=dg.EnvVar("AWS_ACCESS_KEY_ID"),
-                aws_secret_access_key=dg.EnvVar("AWS_SECRET_ACCESS_KEY"),
-            ),
+            endpoint_url=env.get("AWS_ENDPOINT_URL"),
+            region_name=env.get("AWS_DEFAULT_REGION", "us-east-1"),
+            aws_access_key_id=dg.EnvVar("AWS_ACCESS_KEY_ID"),
+            aws_secret_access_key=dg.EnvVar("AWS_SECRET_ACCESS_KEY"),
         )
     else:
         raise ValueError(f"VLM_ASSETS_STORE={store_kind!r}: expected 'local' or 's3'")
