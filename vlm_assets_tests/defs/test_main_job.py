@@ -39,7 +39,9 @@ def test_main_job_materializes_the_graph_then_hits_the_cache(tmp_path, offline_d
     assert [a.split("/")[0] for a in artifacts] == ["eval_report", "gpt_checkpoint", "occlusion_adapter",
                                                     "occlusion_manifests", "token_shards"]
     assert "occlusion_adapter@champion -> v1 (registered)" in first
-    assert "[node 1]" in first  # the GPT trained on two torchrun nodes
+    # The GPT trained on two torchrun nodes, one process each.
+    assert re.search(r"\[launcher\] \S+: 2 node\(s\) x 1 process\(es\)", first)
+    assert re.search(r"GPT \S+ .*, \w+ on 2 process\(es\)", first)
     assert (tmp_path / "home" / "mlflow.db").is_file()
 
     second, _ = _execute(env)
