@@ -111,3 +111,22 @@ def test_training_steps_share_one_pool_sized_by_the_instance(tmp_path):
     instance = dg.DagsterInstance.from_config(str(tmp_path))
     assert instance.event_log_storage.get_concurrency_info(TRAINING_POOL).limit == 1
     assert instance.get_concurrency_config().run_queue_config.max_concurrent_runs == 2
+
+
+def test_a_training_pool_of_size_0_fails_the_load_naming_the_setting(tmp_path, monkeypatch):
+    from vlm_assets.definitions import defs
+
+    config = (Path(__file__).resolve().parents[2] / "dagster.yaml").read_text()
+    assert "default_limit: 1" in config
+    (tmp_path / "dagster.yaml").write_text(config.replace("default_limit: 1", "default_limit: 0"))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
+    monkeypatch.setenv("VLM_ASSETS_HOME", str(tmp_path / "home"))
+    with pytest.raises(Exception) as failure:  # Dagster wraps it, naming environment.py
+        defs()
+    causes, err = [], failure.value
+    while err is not None:
+        causes.append(err)
+        err = err.__cause__
+    assert "environment.py (error)" in str(failure.value)
+    assert any(isinstance(e, ValueError) and "pool 'vlm_training' has limit 0 (dagster.yaml "
+               "concurrency.pools.default_limit" in str(e) for e in causes)

@@ -67,8 +67,12 @@ def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.Configura
 def resources() -> dg.Definitions:
     import logging
 
+    from vlm_assets.defs.platform.launcher import check_training_pool
     from vlm_assets.defs.platform.reaper import reap_on_load
 
     chosen = resources_for()
-    reap_on_load(chosen["artifact_store"], logging.getLogger("vlm_assets").warning)
+    if os.environ.get("DAGSTER_HOME"):  # a persistent instance: check its pool, mend its dead runs
+        with dg.DagsterInstance.get() as instance:
+            check_training_pool(instance)
+            reap_on_load(instance, chosen["artifact_store"], logging.getLogger("vlm_assets").warning)
     return dg.Definitions(resources=chosen)

@@ -27,6 +27,17 @@ from vlm_assets.launch.lifeline import die_with_parent
 TRAINING_POOL = "vlm_training"
 
 
+def check_training_pool(instance: dg.DagsterInstance) -> None:
+    """A limit below 1 on the training pool would queue every training step forever: refused when
+    the definitions load, naming the setting."""
+    limit = instance.event_log_storage.get_concurrency_info(TRAINING_POOL).limit
+    if limit is not None and limit < 1:
+        raise ValueError(
+            f"Dagster pool '{TRAINING_POOL}' has limit {limit} (dagster.yaml concurrency.pools.default_limit, or "
+            f"`dagster instance concurrency set {TRAINING_POOL} N`): every training step would wait forever. "
+            "Set it to the number of training jobs the GPUs hold at once (at least 1).")
+
+
 @contextlib.contextmanager
 def _without(category: type[Warning]) -> Iterator[None]:
     with warnings.catch_warnings():

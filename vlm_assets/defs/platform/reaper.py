@@ -46,16 +46,12 @@ def reap_dead_runs(instance: dg.DagsterInstance, store: ArtifactStore, ttl_s: fl
             if lease.expired(ttl_s) and fail_dead_run(instance, lease, "vlm_assets' dead-run reaper", log)]
 
 
-def reap_on_load(store_resource: ArtifactStoreResource, log: Callable[[str], None]) -> None:
-    """At code location load, when there is a persistent instance (DAGSTER_HOME); never fails the load."""
-    import os
-
-    if not os.environ.get("DAGSTER_HOME"):
-        return
+def reap_on_load(instance: dg.DagsterInstance, store_resource: ArtifactStoreResource,
+                 log: Callable[[str], None]) -> None:
+    """At code location load, on a persistent instance (DAGSTER_HOME); never fails the load."""
     try:
-        with dg.DagsterInstance.get() as instance:
-            reap_dead_runs(instance, store_resource.get_store(), store_resource.lease_ttl_s, log)
-    except Exception as err:  # a store or instance that cannot be read now must not block loading
+        reap_dead_runs(instance, store_resource.get_store(), store_resource.lease_ttl_s, log)
+    except Exception as err:  # a store that cannot be read now must not block loading
         log(f"dead-run reaper skipped: {type(err).__name__}: {err}")
 
 
