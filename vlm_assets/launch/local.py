@@ -199,10 +199,25 @@ def stop_process_trees(procs: list[subprocess.Popen]) -> None:
             return
 
 
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie (dead, only not yet reaped by its parent)."""
+def _live_stat(pid: int) -> list[str] | None:
+    """Fields 3 onwards of ``/proc/<pid>/stat`` of a live process; None when there is no such process
+    or it is a zombie (dead, only not yet reaped by its parent)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return False
-    return state != "Z"  # a zombie is dead, only not yet reaped by its parent
+        return None
+    return None if fields[0] == "Z" else fields
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    return _live_stat(pid) is not None
+
+
+def started_at(pid: int) -> float | None:
+    """Wall-clock start time of a live, non-zombie process on this host; None if there is none."""
+    if (fields := _live_stat(pid)) is None:
+        return None
+    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start, in clock ticks

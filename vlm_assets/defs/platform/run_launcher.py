@@ -18,31 +18,16 @@ code-location load instead, through their leases: ``vlm_assets.defs.platform.rea
 """
 
 import json
-import os
 import socket
 import time
-from pathlib import Path
 
 import dagster as dg
 from dagster._core.launcher import CheckRunHealthResult, DefaultRunLauncher, WorkerStatus
 from dagster._core.storage.tags import GRPC_INFO_TAG
 
-# The clock ticks of /proc/<pid>/stat's start time.
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+from vlm_assets.launch.local import started_at
+
 _START_SLACK_S = 5.0  # the event is written after its process started; clocks round
-
-
-def process_started_at(pid: int) -> float | None:
-    """Wall-clock start time of a live, non-zombie process on this host; None if there is none."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-    except (OSError, StopIteration):
-        return None
-    if fields[0] == "Z":  # a zombie is dead, only not yet reaped by its parent
-        return None
-    return boot + int(fields[19]) / _TICKS  # field 22 of stat; [0] here is field 3
 
 
 def run_worker(instance: dg.DagsterInstance, run_id: str) -> tuple[int, float] | None:
@@ -71,7 +56,7 @@ def worker_health(instance: dg.DagsterInstance, run: dg.DagsterRun) -> CheckRunH
     if worker is None:  # not started yet, or an event without a pid: nothing to judge
         return CheckRunHealthResult(WorkerStatus.RUNNING, "no run worker recorded yet")
     pid, started = worker
-    began = process_started_at(pid)
+    began = started_at(pid)
     if began is not None and began <= started + _START_SLACK_S:
         return CheckRunHealthResult(WorkerStatus.RUNNING, f"run worker pid {pid} is alive")
     reason = "is gone" if began is None else f"was reused by a process started at {time.ctime(began)}"
