@@ -289,3 +289,7 @@ def kill_mid_training_and_relaunch(tmp_path: Path, job: str, run_config: dict, a
     instance = dg.DagsterInstance.from_config(str(tmp_path / "dagster"))
     assert sorted(run.status.value for run in instance.get_runs()) == ["FAILURE", "SUCCESS"]
     return KilledAndRelaunched(at_kill, out, instance, mlflow_uri)
+
+
+# The loopback Kubernetes control plane (session) and a namespace per test, checked empty after it.
+from vlm_assets_tests.k8s.testbed_fixtures import k8s_testbed, namespace  # noqa: E402, F401

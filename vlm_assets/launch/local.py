@@ -38,6 +38,7 @@ class LaunchFailed(RuntimeError):
     worker_exit_code: int | None  # the failing worker's own code when torchrun reports it (-9 = SIGKILL)
     tail: list[str]
     reason: str
+    retryable: bool = True  # False: a retry would fail the same way (the time limit, an unschedulable request)
 
     def __str__(self) -> str:
         worker = f", worker exit code {self.worker_exit_code}" if self.worker_exit_code is not None else ""
@@ -136,7 +137,8 @@ def _supervise(spec, nodes, lines, tails, on_line) -> None:
         if time.monotonic() > deadline:
             stop_process_trees(nodes)
             _drain(lines, tails, on_line)
-            raise LaunchFailed(0, None, None, list(tails[0]), f"{spec.name} ran past its {spec.timeout_s} s timeout")
+            raise LaunchFailed(0, None, None, list(tails[0]), f"{spec.name} ran past its {spec.timeout_s} s timeout",
+                               retryable=False)
 
 
 def _drain(lines, tails, on_line) -> None:

@@ -3,6 +3,9 @@
 import dataclasses
 import re
 
+# A Kubernetes resource quantity: "8", "500m", "64Gi".
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$"
+
 # Set by a launcher whose "nodes" share one host (vlm_assets._streaming reads it).
 SHARED_HOST_ENV = "VLM_ASSETS_NODES_SHARE_HOST"
 
@@ -21,7 +24,8 @@ class LaunchSpec:
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # added to every process' environment
     num_nodes: int = 1
     nproc_per_node: int = 1
-    resources: dict[str, str] = dataclasses.field(default_factory=dict)  # per node, k8s-style: {"cpu": "4", "nvidia.com/gpu": "8"}
+    # Per node, Kubernetes-style ({"cpu": "4", "memory": "64Gi", "nvidia.com/gpu": "8"}) plus "gpu_type".
+    resources: dict[str, str] = dataclasses.field(default_factory=dict)
     rendezvous_timeout_s: int = 120  # all nodes must have joined within this
     timeout_s: int = 3600  # the whole job, start to finish
     name: str = "train"  # shown in logs, pod names

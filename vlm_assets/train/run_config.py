@@ -18,6 +18,8 @@ from typing import Any, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from vlm_assets.launch.spec import QUANTITY, LaunchSpec
+
 _RUN = {"identity": False}
 C = TypeVar("C", bound="RunConfig")
 
@@ -63,11 +65,27 @@ class RunConfig(Settings):
     num_nodes: int = run_field(1, "Nodes (local launcher: torchrun agents on 127.0.0.1).", ge=1)
     nproc_per_node: int = run_field(1, "Processes (devices) per node.", ge=1)
     timeout_s: int = run_field(24 * 3600, "The whole training job's time limit; raise it and rerun to resume.", ge=1)
+    # What each node asks of a cluster (the k8s launcher's pod resources; the local launcher ignores them).
+    gpus_per_node: int = run_field(0, "GPUs each node's pod requests (nvidia.com/gpu); 0: a CPU pod.", ge=0)
+    gpu_type: str | None = run_field(None, "GPU product the pods must land on (a node selector on the launcher's "
+                                           "gpu_node_label, e.g. 'NVIDIA-H100-80GB-HBM3').")
+    cpu_per_node: str | None = run_field(None, "CPU each node's pod requests and is limited to ('8', '500m').",
+                                         pattern=QUANTITY)
+    memory_per_node: str | None = run_field(None, "Memory each node's pod requests and is limited to ('64Gi').",
+                                            pattern=QUANTITY)
 
     @model_validator(mode="after")
     def _batch_fits_the_world(self) -> Self:
         self.accumulation(self.num_nodes * self.nproc_per_node)
         return self
+
+    def launch_spec(self, module: str, args: tuple[str, ...], name: str) -> LaunchSpec:
+        """The distributed job that trains this config: topology, time limit and per-node resources."""
+        resources = {"nvidia.com/gpu": str(self.gpus_per_node) if self.gpus_per_node else None,
+                     "cpu": self.cpu_per_node, "memory": self.memory_per_node, "gpu_type": self.gpu_type}
+        return LaunchSpec(module, args, num_nodes=self.num_nodes, nproc_per_node=self.nproc_per_node,
+                          timeout_s=self.timeout_s, name=name,
+                          resources={k: v for k, v in resources.items() if v is not None})
 
     def accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step so that ``global_batch_size`` samples make one step."""

@@ -42,9 +42,14 @@ def test_environment_switches(tmp_path, monkeypatch):
     assert local["mlflow"].tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
     s3 = resources_for({"VLM_ASSETS_STORE": "s3", "VLM_ASSETS_S3_BUCKET": "b", "AWS_ENDPOINT_URL": "http://x:9000"})
     assert s3["artifact_store"].bucket == "b" and s3["artifact_store"].endpoint_url == "http://x:9000"
+    k8s = resources_for({"VLM_ASSETS_LAUNCHER": "k8s"})["launcher"]
+    assert k8s.namespace == "vlm-training" and k8s.mode == "pods"
+    (bad_yaml := tmp_path / "launcher.yaml").write_text("namespace: t\npending_timeout_s: 0\n")
     for bad, message in (({"VLM_ASSETS_STORE": "gcs"}, "expected 'local' or 's3'"),
                          ({"VLM_ASSETS_STORE": "s3"}, "needs VLM_ASSETS_S3_BUCKET"),
-                         ({"VLM_ASSETS_LAUNCHER": "slurm"}, "'local' launcher only")):
+                         ({"VLM_ASSETS_LAUNCHER": "slurm"}, "expected 'local' or 'k8s'"),
+                         ({"VLM_ASSETS_LAUNCHER": "k8s", "VLM_ASSETS_K8S_CONFIG": str(bad_yaml)},
+                          f"{bad_yaml}: field pending_timeout_s: Input should be greater than or equal to 1")):
         try:
             resources_for(bad)
         except ValueError as err:

@@ -5,7 +5,10 @@ and its resumed retry, a damaged checkpoint, and the Hugging Face export reloade
 import json
 import math
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -251,3 +254,76 @@ def test_a_rerun_on_another_world_size_resumes_and_ends_near_the_same_loss(ddp_r
     resumed = json.loads((Path(meta["uri"]) / "history.json").read_text())
     assert [p["step"] for p in resumed["train"]] == list(range(1, MAX_STEPS + 1))
     assert resumed["val"][-1]["loss"] == pytest.approx(ddp_run[4]["val"][-1]["loss"], rel=0.05)
+
+
+def k8s_launcher_env(tmp_path: Path, k8s_testbed, namespace: str) -> dict[str, str]:
+    """The environment that selects the k8s launcher, set up for the loopback testbed."""
+    from vlm_assets.launch.local import free_port
+
+    launcher = {"namespace": namespace, "kubeconfig": str(k8s_testbed.kubeconfig), "python": sys.executable,
+                # pod DNS names do not resolve on the testbed: the rendezvous is on loopback
+                "rendezvous_host": "127.0.0.1", "rendezvous_port": free_port(), "pending_timeout_s": 60,
+                "env": {"OMP_NUM_THREADS": "1", "VLM_ASSETS_NODES_SHARE_HOST": "1"}}
+    (tmp_path / "launcher.yaml").write_text(json.dumps(launcher))
+    return {"VLM_ASSETS_LAUNCHER": "k8s", "VLM_ASSETS_K8S_CONFIG": str(tmp_path / "launcher.yaml")}
+
+
+def _k8s_job(tmp_path: Path, k8s_testbed, namespace: str, offline_data, **gpt) -> tuple[list[str], dict, Path]:
+    """`dagster job execute -j gpt_job` with VLM_ASSETS_LAUNCHER=k8s against the loopback control
+    plane: the command, its environment, and where its checkpoints land."""
+    repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "dagster").mkdir()
+    (tmp_path / "dagster" / "dagster.yaml").write_text((repo / "dagster.yaml").read_text())
+    env = {**os.environ, "VLM_ASSETS_HOME": str(tmp_path / "home"), "DAGSTER_HOME": str(tmp_path / "dagster"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "VLM_ASSETS_PROFILE": "seed",
+           **k8s_launcher_env(tmp_path, k8s_testbed, namespace)}
+    (tmp_path / "run_config.yaml").write_text(json.dumps(
+        {**run_config(offline_data, **gpt), "execution": {"config": {"in_process": {}}}}))
+    command = [sys.executable, "-m", "dagster", "job", "execute", "-m", "vlm_assets.definitions", "-j", "gpt_job",
+               "-c", str(tmp_path / "run_config.yaml")]
+    return command, env, tmp_path / "home" / "artifacts" / "checkpoints" / "gpt_checkpoint"
+
+
+def _pod_processes(node_index: int) -> list[int]:
+    """PIDs of the torchrun agents the testbed's kubelet runs for pods of node ``node_index``."""
+    pids = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            variables = environ.read_bytes().split(b"\0")
+            cmdline = (environ.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"torch.distributed.run" in cmdline and f"VLM_ASSETS_NODE_INDEX={node_index}".encode() in variables:
+            pids.append(int(environ.parent.name))
+    return pids
+
+
+def test_k8s_launcher_trains_on_pods_and_a_killed_pod_is_retried_from_the_last_checkpoint(
+        ddp_run, tmp_path, offline_data, k8s_testbed, namespace):
+    """gpt_job through the real API server at 2 pods x 1 process: pod 1 is killed after the first
+    checkpoint; the step fails naming the pod and its exit code, every pod and the Service are
+    deleted, Dagster's retry resumes from the last committed checkpoint, rank 0's Pipes metadata comes
+    back, and the loss is the local launcher's. (The namespace fixture checks nothing is left.)"""
+    import dagster as dg
+
+    command, env, checkpoints = _k8s_job(tmp_path, k8s_testbed, namespace, offline_data)
+    with open(tmp_path / "job.log", "w") as log:
+        job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 400
+        while not list(checkpoints.glob("*/step-*/_COMPLETE.json")) and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        at_kill = sorted(p.parent.name for p in checkpoints.glob("*/step-*/_COMPLETE.json"))
+        pods = _pod_processes(1)
+        assert at_kill and len(pods) == 1, (at_kill, pods, (tmp_path / "job.log").read_text()[-3000:])
+        os.killpg(pods[0], signal.SIGKILL)  # the container's processes, as an OOM kill or a node failure
+        assert job.wait(timeout=400) == 0, (tmp_path / "job.log").read_text()[-5000:]
+    out = (tmp_path / "job.log").read_text()
+    assert re.search(r"pod gpt-checkpoint-\w+-1 failed: container exit code -9", out), out[-5000:]
+    assert "STEP_UP_FOR_RETRY" in out and "[node 1]" in out
+    instance = dg.DagsterInstance.from_config(str(tmp_path / "dagster"))
+    event = instance.get_latest_materialization_event(dg.AssetKey("gpt_checkpoint"))
+    meta = {k: getattr(v, "value", v) for k, v in event.asset_materialization.metadata.items()}
+    assert meta["resumed_from_step"] >= int(at_kill[-1].split("-")[1]) and meta["steps"] == MAX_STEPS
+    assert meta["cache_key"] == ddp_run[2]["cache_key"] and meta["world_size"] == 2
+    assert meta["val_loss"] == pytest.approx(ddp_run[2]["val_loss"], abs=1e-5)  # through Pipes, from rank 0
+

@@ -1,6 +1,7 @@
 """Runs under `dagster dev` (webserver + daemon, the repo's dagster.yaml) on loopback, launched through
 the webserver's GraphQL API while GPT trains on 2 nodes: one terminated from the UI (its GraphQL
-terminate), one whose run worker is SIGKILLed (caught by run monitoring)."""
+terminate), one whose run worker is SIGKILLed (caught by run monitoring). Both with the local
+launcher (torchrun processes) and with the k8s launcher (pods through the loopback control plane)."""
 
 import dataclasses
 import os
@@ -52,6 +53,8 @@ class Dev:
     dagster_home: Path
     mlflow_uri: str
     run_config: dict
+    launcher: str
+    pods: object  # () -> names of the pods in the training namespace (k8s launcher)
 
     def launch(self) -> str:
         params = {"selector": {"repositoryLocationName": "vlm_assets", "repositoryName": "__repository__",
@@ -80,8 +83,8 @@ class Dev:
         return [r.info.status for r in runs]
 
 
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory, offline_data):
+@pytest.fixture(scope="module", params=["local", "k8s"])
+def dev(request, tmp_path_factory, offline_data):
     tmp_path = tmp_path_factory.mktemp("dev")
     (tmp_path / "dagster").mkdir()
     (tmp_path / "dagster" / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
@@ -89,6 +92,20 @@ def dev(tmp_path_factory, offline_data):
     MlflowClient(mlflow_uri).search_experiments()
     env = {**os.environ, "VLM_ASSETS_HOME": str(tmp_path / "home"), "DAGSTER_HOME": str(tmp_path / "dagster"),
            "MLFLOW_TRACKING_URI": mlflow_uri}
+    pods, namespace = (lambda: []), None
+    if request.param == "k8s":
+        from kubernetes import client
+
+        from vlm_assets_tests.defs.test_gpt_assets import k8s_launcher_env
+        from vlm_assets_tests.k8s.testbed_fixtures import wait_for_default_service_account
+
+        testbed = request.getfixturevalue("k8s_testbed")
+        core = client.CoreV1Api(testbed.api())
+        namespace = f"dev-{os.getpid()}"
+        core.create_namespace({"metadata": {"name": namespace}})
+        wait_for_default_service_account(core, namespace)
+        env.update(k8s_launcher_env(tmp_path, testbed, namespace))
+        pods = lambda: [p.metadata.name for p in core.list_namespaced_pod(namespace).items]  # noqa: E731
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "dev.log", "w") as log:
@@ -103,10 +120,15 @@ def dev(tmp_path_factory, offline_data):
                 return False
 
         _wait(up, 120, "the webserver")
-        yield Dev(url, tmp_path / "home", tmp_path / "dagster", mlflow_uri, run_config(offline_data, max_steps=400))
+        yield Dev(url, tmp_path / "home", tmp_path / "dagster", mlflow_uri, run_config(offline_data, max_steps=400),
+                  request.param, pods)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
+        if namespace:
+            left = pods()
+            core.delete_namespace(namespace)
+            assert not left, f"pods left in {namespace}: {left}"
 
 
 def test_a_run_terminated_through_graphql_is_canceled_and_leaves_nothing_running(dev):
@@ -116,6 +138,7 @@ def test_a_run_terminated_through_graphql_is_canceled_and_leaves_nothing_running
     status = _wait(lambda: (s := dev.status(run_id)) in ("CANCELED", "FAILURE", "SUCCESS") and s, 120, "the run to end")
     assert status == "CANCELED"
     _wait(lambda: not training_workers("vlm_assets.train.gpt_pretrain", str(dev.home)), 15, "the workers to exit")
+    assert not dev.pods()  # the step deleted its pods (and waited until they were gone) before it ended
     assert dev.mlflow_statuses(run_id) == ["KILLED"]
     assert not list((dev.home / "artifacts" / ".leases").glob("*.json"))  # released
 
@@ -124,7 +147,8 @@ def test_a_sigkilled_run_worker_ends_its_workers_and_the_run_fails(dev):
     """The run worker (`dagster api execute_run`, the orchestrator of the multiprocess executor) is
     SIGKILLed: its step process, agents and workers end by their parent-death signals; the run is
     marked failed (by the code server that started the worker, or else by run monitoring:
-    ``test_run_monitoring``) and the run failure sensor ends its MLflow run KILLED."""
+    ``test_run_monitoring``) and the run failure sensor ends its MLflow run KILLED. Pods do not die
+    with a process: with the k8s launcher the same sensor deletes the run's pods and Service."""
     import dagster as dg
 
     from vlm_assets.defs.platform.run_launcher import run_worker
@@ -135,7 +159,9 @@ def test_a_sigkilled_run_worker_ends_its_workers_and_the_run_fails(dev):
     with dg.DagsterInstance.from_config(str(dev.dagster_home)) as instance:
         pid, _ = run_worker(instance, run_id)
     os.kill(pid, signal.SIGKILL)
-    _wait(lambda: not any(alive(w) for w in workers), 10, "the workers to die with the run worker")
+    if dev.launcher == "k8s":
+        _wait(lambda: not dev.pods(), 150, "the sensor to delete the dead run's pods")
+    _wait(lambda: not any(alive(w) for w in workers), 10, "the workers to die with the run worker (or their pods)")
     status = _wait(lambda: (s := dev.status(run_id)) != "STARTED" and s, 90, "the run to be marked ended")
     assert status == "FAILURE"
     # The step's MLflow run, which no code of the killed step could end, is ended by the sensor.

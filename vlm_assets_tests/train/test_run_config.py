@@ -36,7 +36,8 @@ def test_identity_and_run_fields_partition_the_config():
         assert set(config.identity()) | set(config.run_settings()) == set(model.model_fields)
         assert not set(config.identity()) & set(config.run_settings())
     assert {"timeout_s", "num_nodes", "nproc_per_node", "gradient_checkpointing", "log_every",
-            "materialize_partial_on_failure"} == set(AdapterTrainConfig().run_settings()) - {"micro_batch_size"}
+            "materialize_partial_on_failure", "gpus_per_node", "gpu_type", "cpu_per_node",
+            "memory_per_node"} == set(AdapterTrainConfig().run_settings()) - {"micro_batch_size"}
 
 
 def test_run_file_round_trip_and_errors_name_the_file_and_field(tmp_path):

@@ -13,7 +13,6 @@ from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher
 from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
-from vlm_assets.launch import LaunchSpec
 from vlm_assets.memo import cache_key
 from vlm_assets.paths import runs_dir
 from vlm_assets.storage import ArtifactRef, ArtifactStore
@@ -89,9 +88,8 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
                              checkpoint_prefix=f"checkpoints/{key}", mlflow_tracking_uri=mlflow.tracking_uri,
                              mlflow_run_id=run.run_id)
             write_run_file(work / "run.json", config, paths)
-            spec = LaunchSpec("vlm_assets.train.adapter_train", ("--config", str(work / "run.json")),
-                              num_nodes=config.num_nodes, nproc_per_node=config.nproc_per_node,
-                              timeout_s=config.timeout_s, name="occlusion_adapter")
+            spec = config.launch_spec("vlm_assets.train.adapter_train", ("--config", str(work / "run.json")),
+                                      name="occlusion_adapter")
             try:
                 reports = launcher.launch(context, spec)
                 values = {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}

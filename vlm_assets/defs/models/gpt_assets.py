@@ -23,7 +23,6 @@ from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, mate
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
-from vlm_assets.launch import LaunchSpec
 from vlm_assets.paths import runs_dir
 from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.gpt_config import PretrainConfig
@@ -79,8 +78,7 @@ def gpt_checkpoint(
                          checkpoint_store=artifact_store.spec(), checkpoint_prefix=f"checkpoints/{key}",
                          mlflow_tracking_uri=mlflow.tracking_uri, mlflow_run_id=run.run_id)
         write_run_file(work / "run.json", config, paths)
-        spec = LaunchSpec(TRAINER_MODULE, ("--config", str(work / "run.json")), num_nodes=config.num_nodes,
-                          nproc_per_node=config.nproc_per_node, timeout_s=config.timeout_s, name="gpt_checkpoint")
+        spec = config.launch_spec(TRAINER_MODULE, ("--config", str(work / "run.json")), name="gpt_checkpoint")
         reports = launcher.launch(context, spec)
         if len(reports) != 1:
             raise RuntimeError(f"the trainer reported {len(reports)} materializations through Pipes, expected 1")

@@ -3,7 +3,9 @@
 ``VLM_ASSETS_STORE``    ``local`` (default: ``$VLM_ASSETS_HOME/artifacts``) or ``s3``
                         (``VLM_ASSETS_S3_BUCKET``, ``VLM_ASSETS_S3_PREFIX``, ``AWS_ENDPOINT_URL``, AWS credentials)
 ``MLFLOW_TRACKING_URI`` default ``sqlite:///$VLM_ASSETS_HOME/mlflow.db`` with artifacts in ``$VLM_ASSETS_HOME/mlruns``
-``VLM_ASSETS_LAUNCHER`` ``local`` (default: torchrun processes on this machine, loopback rendezvous)
+``VLM_ASSETS_LAUNCHER`` ``local`` (default: torchrun processes on this machine, loopback rendezvous) or
+                        ``k8s`` (pods in a cluster; ``VLM_ASSETS_K8S_CONFIG``: a YAML file of the launcher's
+                        settings, ``vlm_assets.launch.k8s.PodSettings``; kubeconfig: ``KUBECONFIG`` or in-cluster)
 ``VLM_ASSETS_PROFILE``  ``demo`` (default: offline real data, tiny models, CPU) or ``seed`` (full scale)
 ``VLM_ASSETS_ON_BUSY``  ``wait`` (default) or ``fail``: a key another live attempt is building
 ``VLM_ASSETS_LEASE_TTL_S`` seconds without renewal after which a builder's lease expires (default 120)
@@ -11,10 +13,11 @@
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import dagster as dg
 
-from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
+from vlm_assets.defs.platform.launcher import K8sTorchrunLauncher, LocalTorchrunLauncher, TrainingLauncher
 from vlm_assets.defs.platform.storage import LocalArtifactStoreResource, S3ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 from vlm_assets.paths import cache_dir, home_dir
@@ -56,11 +59,33 @@ def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.Configura
         experiment_name=env.get("MLFLOW_EXPERIMENT_NAME", "vlm_assets"),
         artifact_location=env.get("VLM_ASSETS_MLFLOW_ARTIFACTS", (home / "mlruns").as_uri()),
     )
-    launcher_kind = env.get("VLM_ASSETS_LAUNCHER", "local")
-    if launcher_kind != "local":
-        raise ValueError(f"VLM_ASSETS_LAUNCHER={launcher_kind!r}: this version has the 'local' launcher only "
-                         "(see deploy/README.md for the Kubernetes design)")
-    return {"artifact_store": store, "mlflow": tracking, "launcher": LocalTorchrunLauncher()}
+    return {"artifact_store": store, "mlflow": tracking, "launcher": launcher_for(env)}
+
+
+def launcher_for(env: Mapping[str, str] = os.environ) -> TrainingLauncher:
+    kind = env.get("VLM_ASSETS_LAUNCHER", "local")
+    if kind == "local":
+        return LocalTorchrunLauncher()
+    if kind != "k8s":
+        raise ValueError(f"VLM_ASSETS_LAUNCHER={kind!r}: expected 'local' or 'k8s'")
+    path = env.get("VLM_ASSETS_K8S_CONFIG")
+    if not path:
+        return K8sTorchrunLauncher()
+    import pydantic
+    import yaml
+
+    from vlm_assets.train.run_config import describe_validation_error
+
+    try:
+        settings = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"VLM_ASSETS_K8S_CONFIG={path}: {err}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"VLM_ASSETS_K8S_CONFIG={path}: expected a mapping of launcher settings")
+    try:
+        return K8sTorchrunLauncher(**settings)
+    except pydantic.ValidationError as err:
+        raise ValueError(describe_validation_error(err, path)) from None
 
 
 @dg.definitions

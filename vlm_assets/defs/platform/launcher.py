@@ -8,16 +8,21 @@ final materialization metadata through it.
 """
 
 import contextlib
+import json
 import multiprocessing
+import os
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
+from dagster_k8s.pipes import PipesK8sPodLogsMessageReader
+from dagster_pipes import PIPES_PROTOCOL_VERSION_FIELD
 from pydantic import Field
 
 from vlm_assets.launch import LaunchFailed, LaunchSpec, run_local
+from vlm_assets.launch.k8s import PodSettings
 from vlm_assets.launch.lifeline import die_with_parent
 
 # The Dagster concurrency pool of every training step: its limit (dagster.yaml
@@ -45,12 +50,38 @@ def _without(category: type[Warning]) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _as_step_failure() -> Iterator[None]:
+    """A ``LaunchFailed`` as a ``dg.Failure`` naming the node, its exit code and last lines; retryable
+    unless the job ran out of time."""
+    try:
+        yield
+    except LaunchFailed as err:
+        timed_out = not err.retryable and "timeout" in err.reason
+        raise dg.Failure(
+            # A retry under the same time limit would spend it again: the user raises timeout_s (a
+            # run field, outside the cache key) and the rerun resumes instead.
+            description=str(err) + ("\nRaise timeout_s and rerun: training resumes from the last "
+                                    "committed checkpoint of the same key." if timed_out else ""),
+            allow_retries=err.retryable,
+            metadata={"node": err.node, "exit_code": err.exit_code if err.exit_code is not None else "none",
+                      "worker_exit_code": err.worker_exit_code if err.worker_exit_code is not None else "n/a",
+                      "reason": err.reason,
+                      "last_lines": dg.MetadataValue.md("```\n" + "\n".join(err.tail[-20:]) + "\n```")},
+        ) from err
+
+
 class TrainingLauncher(dg.ConfigurableResource, ABC):
     @abstractmethod
     def launch(self, context: dg.AssetExecutionContext, spec: LaunchSpec,
                extras: dict[str, Any] | None = None) -> list[dg.MaterializeResult]:
         """Run ``spec`` to completion and return what rank 0 reported through Pipes. Raises a
         retryable ``dg.Failure`` naming the failing node, its exit code and last lines."""
+
+    def delete_run_objects(self, run_id: str) -> list[str]:
+        """Delete what the launches of a failed Dagster run left running elsewhere (its names).
+        Local processes need nothing: they die with the step (``vlm_assets.launch.lifeline``)."""
+        return []
 
 
 class LocalTorchrunLauncher(TrainingLauncher):
@@ -73,19 +104,80 @@ class LocalTorchrunLauncher(TrainingLauncher):
         with _without(dg.PreviewWarning), dg.open_pipes_session(
             context=context, extras=extras or {},
             context_injector=dg.PipesTempFileContextInjector(), message_reader=dg.PipesTempFileMessageReader(),
-        ) as session:
-            try:
-                run_local(spec, on_line=context.log.info, env={**self.env, **session.get_bootstrap_env_vars()})
-            except LaunchFailed as err:
-                timed_out = err.exit_code is None
-                raise dg.Failure(
-                    # A retry under the same time limit would spend it again: the user raises
-                    # timeout_s (a run field, outside the cache key) and the rerun resumes instead.
-                    description=str(err) + ("\nRaise timeout_s and rerun: training resumes from the last "
-                                            "committed checkpoint of the same key." if timed_out else ""),
-                    allow_retries=not timed_out,
-                    metadata={"node": err.node, "exit_code": err.exit_code if err.exit_code is not None else "timeout",
-                              "worker_exit_code": err.worker_exit_code if err.worker_exit_code is not None else "n/a",
-                              "last_lines": dg.MetadataValue.md("```\n" + "\n".join(err.tail[-20:]) + "\n```")},
-                ) from err
+        ) as session, _as_step_failure():
+            run_local(spec, on_line=context.log.info, env={**self.env, **session.get_bootstrap_env_vars()})
         return [r for r in session.get_results() if isinstance(r, dg.MaterializeResult)]
+
+
+def _run_is_live(instance: dg.DagsterInstance, run_id: str) -> bool:
+    run = instance.get_run_by_id(run_id)
+    return run is not None and not run.is_finished
+
+
+class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
+    """One pod per node behind a headless Service (or one Indexed Job) in the training namespace;
+    torchrun's c10d rendezvous at pod 0 (``vlm_assets.launch.k8s``). Global rank 0 reports through
+    Pipes on its stderr; its messages are read from the pod logs that are streamed anyway, and every
+    pod's lines reach the step log prefixed by node. The config fields are ``PodSettings``'."""
+
+    def settings(self) -> PodSettings:
+        return PodSettings.model_validate(self.model_dump(include=set(PodSettings.model_fields)))
+
+    def delete_run_objects(self, run_id: str) -> list[str]:
+        """The pods, Services and Jobs of a failed run (its step was killed before deleting them)."""
+        from kubernetes import client
+
+        from vlm_assets.launch.k8s import MANAGED_BY, api_client, delete_selected
+
+        api = api_client(self.settings())
+        return delete_selected(client.CoreV1Api(api), client.BatchV1Api(api), self.namespace,
+                               f"app.kubernetes.io/managed-by={MANAGED_BY},dagster/run-id={run_id}")
+
+    def launch(self, context: dg.AssetExecutionContext, spec: LaunchSpec,
+               extras: dict[str, Any] | None = None) -> list[dg.MaterializeResult]:
+        from kubernetes import client
+
+        from vlm_assets.launch.k8s import api_client, delete_orphans, run_k8s
+
+        settings = self.settings()
+        api = api_client(settings)
+        # Pods of runs whose step was killed before it could delete them (Dagster marks such runs
+        # failed: run monitoring, or the dead-run reaper at this load): the cleanup on the next start.
+        if orphans := delete_orphans(client.CoreV1Api(api), client.BatchV1Api(api), settings.namespace,
+                                     lambda run_id: _run_is_live(context.instance, run_id)):
+            context.log.warning(f"deleted what dead runs left in namespace {settings.namespace}: {', '.join(orphans)}")
+        reader = _PodLogMessageReader()
+
+        def on_line(node: int, line: str) -> None:
+            if not reader.consume(line):
+                context.log.info(f"[node {node}] {line}")
+
+        labels = {"dagster/run-id": context.run_id, "dagster/asset": context.asset_key.to_user_string(),
+                  "dagster/step": context.op_execution_context.node_handle.name}
+        forwarded = {name: os.environ[name] for name in settings.forward_env if name in os.environ}
+        with _without(dg.PreviewWarning), dg.open_pipes_session(
+            context=context, extras=extras or {},
+            context_injector=dg.PipesEnvContextInjector(), message_reader=reader,
+        ) as session, _as_step_failure():
+            run_k8s(spec, settings, on_line, env={**forwarded, **session.get_bootstrap_env_vars()},
+                    labels=labels, api=api)
+        return [r for r in session.get_results() if isinstance(r, dg.MaterializeResult)]
+
+
+class _PodLogMessageReader(PipesK8sPodLogsMessageReader):
+    """dagster-k8s's reader (its ``read_messages`` tells rank 0 to write messages on stderr), fed the
+    lines of every pod: its own ``consume_pod_logs`` follows one pod and forwards the other lines to
+    stdout, while a multi-node launch follows all pods and puts their lines in the step log."""
+
+    def consume(self, line: str) -> bool:
+        """Handle ``line`` if it is a Pipes message; False for any other log line."""
+        if PIPES_PROTOCOL_VERSION_FIELD not in line:
+            return False
+        try:
+            message = json.loads(line)
+        except json.JSONDecodeError:
+            return False
+        if not isinstance(message, dict) or PIPES_PROTOCOL_VERSION_FIELD not in message or self._handler is None:
+            return False
+        self._handler.handle_message(message)
+        return True

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import dagster as dg
 
+from vlm_assets.defs.platform.launcher import TrainingLauncher
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 from vlm_assets.storage import ArtifactStore
@@ -63,8 +64,13 @@ def dead_run_reaper(context: dg.SensorEvaluationContext, artifact_store: Artifac
 
 
 @dg.run_failure_sensor(default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=15)
-def killed_run_tracking(context: dg.RunFailureSensorContext, mlflow: MlflowTrackingResource):
+def killed_run_tracking(context: dg.RunFailureSensorContext, mlflow: MlflowTrackingResource,
+                        launcher: TrainingLauncher):
     """A failed run's MLflow runs still RUNNING were left by a process killed outright (a step that
-    fails normally ends its own run FAILED): they end KILLED."""
-    if killed := mlflow.end_orphaned_runs(dagster_run_id=context.dagster_run.run_id):
-        context.log.warning(f"ended MLflow run(s) {', '.join(killed)} of run {context.dagster_run.run_id} as KILLED")
+    fails normally ends its own run FAILED): they end KILLED. Training pods it left (k8s launcher)
+    are deleted."""
+    run_id = context.dagster_run.run_id
+    if killed := mlflow.end_orphaned_runs(dagster_run_id=run_id):
+        context.log.warning(f"ended MLflow run(s) {', '.join(killed)} of run {run_id} as KILLED")
+    if deleted := launcher.delete_run_objects(run_id):
+        context.log.warning(f"deleted what run {run_id} left in the cluster: {', '.join(deleted)}")

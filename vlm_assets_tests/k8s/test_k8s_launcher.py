@@ -1,0 +1,173 @@
+"""The k8s launch backend through a real API server, scheduler and controllers on loopback: pods meet
+at the rendezvous, their logs come back by node, and every way a launch fails deletes all it made."""
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vlm_assets.launch import LaunchFailed, LaunchSpec
+from vlm_assets.launch.k8s import Launch, PodSettings, run_k8s
+from vlm_assets.launch.local import free_port
+from vlm_assets_tests.k8s.testbed_fixtures import REPO
+
+pytestmark = pytest.mark.slow
+
+WORKER = "vlm_assets_tests.launch.allreduce_worker"
+RBAC = REPO / "deploy" / "k8s" / "rbac.yaml"
+
+
+def settings(namespace: str, kubeconfig: Path, **overrides) -> PodSettings:
+    """The launcher as the tests run it: pods are local processes of the venv's python, so the
+    rendezvous is on loopback (pod DNS names do not resolve on the testbed)."""
+    return PodSettings(**{
+        "namespace": namespace, "kubeconfig": str(kubeconfig), "python": sys.executable,
+        "rendezvous_host": "127.0.0.1", "rendezvous_port": free_port(), "pending_timeout_s": 20,
+        "env": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "VLM_ASSETS_NODES_SHARE_HOST": "1"},
+        **overrides})
+
+
+def collect():
+    lines: list[tuple[int, str]] = []
+    return lines, lambda node, line: lines.append((node, line))
+
+
+def test_two_pods_rendezvous_and_their_logs_come_back_by_node(k8s_testbed, namespace):
+    lines, on_line = collect()
+    spec = LaunchSpec(WORKER, num_nodes=2, nproc_per_node=1, timeout_s=180, name="allreduce")
+    run_k8s(spec, settings(namespace, k8s_testbed.kubeconfig), on_line, labels={"dagster/run-id": "r1"})
+    sums = [(node, line) for node, line in lines if " sum " in line]
+    assert sorted(line.split("rank ")[1].split()[0] for _, line in sums) == ["0/2", "1/2"]
+    assert all(line.endswith("sum 1") for _, line in sums)  # 0 + 1: the two pods really met
+    assert {node for node, _ in sums} == {0, 1}
+
+
+def test_a_failing_pod_deletes_every_pod_and_names_itself(k8s_testbed, namespace):
+    lines, on_line = collect()
+    spec = LaunchSpec(WORKER, ("--fail-rank", "1", "--hang"), num_nodes=2, nproc_per_node=1, timeout_s=180, name="fails")
+    with pytest.raises(LaunchFailed) as failure:
+        run_k8s(spec, settings(namespace, k8s_testbed.kubeconfig), on_line)
+    err = failure.value
+    assert err.retryable and err.exit_code not in (None, 0)
+    assert "fails-" in err.reason and "container exit code" in err.reason
+    assert err.worker_exit_code == 3
+    assert any("rank 1 failing on purpose" in line for line in err.tail)
+    # (the namespace fixture checks that no pod or Service is left)
+
+
+def test_an_evicted_pod_fails_the_launch_with_the_reason(k8s_testbed, namespace):
+    from kubernetes import client
+
+    api = k8s_testbed.api()
+    core = client.CoreV1Api(api)
+    spec = LaunchSpec(WORKER, ("--hang",), num_nodes=2, nproc_per_node=1, timeout_s=180, name="evicted")
+    lines, on_line = collect()
+
+    def evict_when_running():
+        while not any(" sum " in line for _, line in lines):
+            time.sleep(0.2)
+        pod = next(p for p in core.list_namespaced_pod(namespace).items
+                   if p.metadata.labels.get("vlm-assets/node-index") == "1")
+        # What the kubelet writes when it evicts a pod under node pressure.
+        core.patch_namespaced_pod_status(pod.metadata.name, namespace, {"status": {
+            "phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."}})
+
+    threading.Thread(target=evict_when_running, daemon=True).start()
+    with pytest.raises(LaunchFailed, match="Evicted: The node was low on resource: memory") as failure:
+        run_k8s(spec, settings(namespace, k8s_testbed.kubeconfig), on_line)
+    assert failure.value.node == 1 and failure.value.retryable
+
+
+def test_an_unschedulable_request_fails_after_the_pending_timeout_with_the_schedulers_reason(k8s_testbed, namespace):
+    spec = LaunchSpec(WORKER, num_nodes=2, nproc_per_node=1, timeout_s=180, name="too-big",
+                      resources={"nvidia.com/gpu": "16"})  # the testbed's nodes have 8 each
+    started = time.monotonic()
+    with pytest.raises(LaunchFailed, match=r"Pending after 5 s: Unschedulable: 0/2 nodes are available: 2 Insufficient nvidia.com/gpu") as failure:
+        run_k8s(spec, settings(namespace, k8s_testbed.kubeconfig, pending_timeout_s=5), collect()[1])
+    assert not failure.value.retryable
+    assert time.monotonic() - started < 60
+
+
+def _service_account_kubeconfig(k8s_testbed, namespace: str, role: dict, tmp_path: Path) -> Path:
+    """A kubeconfig of a ServiceAccount bound to ``role`` in ``namespace``, as the launcher runs in a cluster."""
+    from kubernetes import client
+
+    api = k8s_testbed.api()
+    core, rbac = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api)
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "launcher"}})
+    rbac.create_namespaced_role(namespace, {**role, "metadata": {**role["metadata"], "namespace": namespace}})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": "launcher"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]},
+        "subjects": [{"kind": "ServiceAccount", "name": "launcher", "namespace": namespace}]})
+    token = None
+    for _ in range(100):
+        secrets = [s for s in core.list_namespaced_secret(namespace).items if s.metadata.name.startswith("launcher-token")]
+        if secrets:
+            import base64
+
+            token = base64.b64decode(secrets[0].data["token"]).decode()
+            break
+        time.sleep(0.2)
+    assert token, "no token Secret for the launcher ServiceAccount"
+    admin = yaml.safe_load(k8s_testbed.kubeconfig.read_text())
+    admin["users"] = [{"name": "launcher", "user": {"token": token}}]
+    admin["contexts"] = [{"name": "launcher", "context": {"cluster": admin["clusters"][0]["name"], "user": "launcher"}}]
+    admin["current-context"] = "launcher"
+    path = tmp_path / "launcher.kubeconfig"
+    path.write_text(yaml.safe_dump(admin))
+    return path
+
+
+def shipped_role() -> dict:
+    return next(doc for doc in yaml.safe_load_all(RBAC.read_text()) if doc["kind"] == "Role")
+
+
+def test_the_shipped_role_is_all_the_launcher_needs(k8s_testbed, namespace, tmp_path):
+    kubeconfig = _service_account_kubeconfig(k8s_testbed, namespace, shipped_role(), tmp_path)
+    lines, on_line = collect()
+    run_k8s(LaunchSpec(WORKER, num_nodes=2, nproc_per_node=1, timeout_s=180, name="rbac"),
+            settings(namespace, kubeconfig), on_line)
+    assert sum(" sum 1" in line for _, line in lines) == 2
+
+
+def test_a_role_without_pod_logs_is_refused_before_anything_is_created(k8s_testbed, namespace, tmp_path):
+    role = shipped_role()
+    rules = [{**rule, "resources": [r for r in rule["resources"] if r != "pods/log"]} for rule in role["rules"]]
+    role = {**role, "rules": [rule for rule in rules if rule["resources"]]}
+    kubeconfig = _service_account_kubeconfig(k8s_testbed, namespace, role, tmp_path)
+    with pytest.raises(PermissionError, match=r"may not get pods/log in namespace"):
+        run_k8s(LaunchSpec(WORKER, num_nodes=2, timeout_s=60, name="nolog"), settings(namespace, kubeconfig), collect()[1])
+
+
+def test_rendered_pods_carry_the_per_asset_and_cluster_settings():
+    spec = LaunchSpec("vlm_assets.train.gpt_pretrain", ("--config", "/x/run.json"), num_nodes=12, nproc_per_node=8,
+                      name="gpt_checkpoint",
+                      resources={"nvidia.com/gpu": "8", "cpu": "64", "memory": "512Gi", "gpu_type": "NVIDIA-H100-80GB-HBM3"})
+    s = PodSettings(namespace="train", image="registry.example/vlm-assets:cuda", image_pull_secrets=["regcred"],
+                    service_account="trainer", env_from_secrets=["s3-credentials", "mlflow-credentials"])
+    launch = Launch(spec, s, labels={"dagster/run-id": "abc", "dagster/asset": "gpt_checkpoint", "dagster/step": "gpt_checkpoint"},
+                    launch_id="1234abcd")
+    service, *pods = launch.render()
+    assert service["spec"]["clusterIP"] == "None" and len(pods) == 12
+    assert [p["metadata"]["name"] for p in pods][:3] == ["gpt-checkpoint-1234abcd-00", "gpt-checkpoint-1234abcd-01",
+                                                          "gpt-checkpoint-1234abcd-02"]
+    pod = pods[3]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "cpu": "64", "memory": "512Gi"}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["volumes"]
+    assert container["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}, {"secretRef": {"name": "mlflow-credentials"}}]
+    assert not any("SECRET" in e["name"] or "PASSWORD" in e["name"] for e in container["env"])
+    endpoint = "gpt-checkpoint-1234abcd-00.gpt-checkpoint-1234abcd.train.svc.cluster.local:29400"
+    assert f"--rdzv-endpoint={endpoint}" in container["command"]
+    assert "--rdzv-conf=join_timeout=120,is_host=false" in container["command"]
+    assert "is_host=true" in pods[0]["spec"]["containers"][0]["command"][8]
+    assert pods[3]["metadata"]["labels"]["dagster/run-id"] == "abc"
+    with pytest.raises(ValueError, match="look like credentials"):
+        PodSettings(env={"AWS_SECRET_ACCESS_KEY": "x"})

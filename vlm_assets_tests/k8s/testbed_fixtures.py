@@ -1,0 +1,81 @@
+"""A real Kubernetes control plane on loopback for the k8s launcher's tests (``testbed/README.md``).
+
+The session builds the API server, scheduler and controller manager from Debian's source package
+when they are not cached (``testbed/build.sh``, 5-7 minutes once), starts them with two nodes run by
+the stand-in kubelet (pods run as local processes), and gives each test its own namespace, checked
+empty when the test ends.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+TESTBED = Path(__file__).parent / "testbed"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass
+class Testbed:
+    run_dir: Path
+    kubeconfig: Path
+
+    def api(self, kubeconfig: Path | None = None):
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(kubeconfig or self.kubeconfig))
+
+
+@pytest.fixture(scope="session")
+def k8s_testbed(tmp_path_factory):
+    build = subprocess.run([str(TESTBED / "build.sh")], capture_output=True, text=True)
+    if build.returncode != 0:
+        pytest.fail(f"building the k8s testbed failed (exit {build.returncode}):\n{build.stdout[-3000:]}\n{build.stderr[-3000:]}")
+    run_dir = tmp_path_factory.mktemp("k8s-testbed")
+    env = {**os.environ, "TESTBED_PYTHON": sys.executable, "FAKE_KUBELET_CWD": str(REPO)}
+    start = subprocess.run([str(TESTBED / "start.sh"), str(run_dir)], env=env, capture_output=True, text=True, timeout=180)
+    if start.returncode != 0:
+        subprocess.run([str(TESTBED / "stop.sh"), str(run_dir)])
+        pytest.fail(f"starting the k8s testbed failed:\n{start.stdout[-3000:]}\n{start.stderr[-3000:]}")
+    try:
+        yield Testbed(run_dir, run_dir / "pki" / "kubeconfig")
+    finally:
+        subprocess.run([str(TESTBED / "stop.sh"), str(run_dir)])
+
+
+def wait_for_default_service_account(core, namespace: str, timeout: float = 60) -> None:
+    """Pods are admitted only once the namespace's ``default`` ServiceAccount and its token exist."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        secrets = core.list_namespaced_secret(namespace).items
+        if any(s.metadata.name.startswith("default-token") for s in secrets):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"namespace {namespace}: no default ServiceAccount token after {timeout} s")
+
+
+def launcher_objects(core, batch, namespace: str) -> list[str]:
+    return ([f"pod/{p.metadata.name}" for p in core.list_namespaced_pod(namespace).items]
+            + [f"service/{s.metadata.name}" for s in core.list_namespaced_service(namespace).items]
+            + [f"job/{j.metadata.name}" for j in batch.list_namespaced_job(namespace).items])
+
+
+@pytest.fixture
+def namespace(k8s_testbed):
+    """A fresh namespace; the test fails if it leaves any pod, Service or Job behind."""
+    from kubernetes import client
+
+    api = k8s_testbed.api()
+    core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    core.create_namespace({"metadata": {"name": name}})
+    wait_for_default_service_account(core, name)
+    yield name
+    left = launcher_objects(core, batch, name)
+    core.delete_namespace(name)
+    assert not left, f"left behind in {name}: {left}"
