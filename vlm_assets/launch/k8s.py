@@ -105,6 +105,8 @@ class PodSettings(BaseModel):
         "Tests only: the rendezvous address in place of pod 0's DNS name (which does not resolve on the "
         "loopback testbed)."))
     cluster_domain: str = "cluster.local"
+    log_read_timeout_s: int = Field(default=300, ge=1, description=(
+        "A pod log connection silent this long is reopened from the last line seen (no loss, no repeats)."))
     pending_timeout_s: int = Field(default=600, ge=1, description=(
         "A pod still Pending (unschedulable, image not pulled) after this fails the launch with the reason."))
 
@@ -371,7 +373,8 @@ def _supervise(launch: Launch, core, lines, tails, on_line, stop, poll_s) -> Non
             seen.add(index)
             if index not in streaming and pod.status.phase in ("Running", "Succeeded", "Failed"):
                 streaming[index] = threading.Thread(
-                    target=_stream_log, args=(core, settings.namespace, pod.metadata.name, index, lines, stop), daemon=True)
+                    target=_stream_log, args=(core, settings.namespace, pod.metadata.name, index, lines, stop,
+                                              settings.log_read_timeout_s), daemon=True)
                 streaming[index].start()
         drain(poll_s)
         failure = _failure(launch, pods, seen, started)
@@ -439,7 +442,8 @@ def _pending_reason(pod) -> str:
     return "not scheduled yet (no reason given by the scheduler)"
 
 
-def _stream_log(core, namespace: str, pod: str, node: int, lines: queue.Queue, stop: threading.Event) -> None:
+def _stream_log(core, namespace: str, pod: str, node: int, lines: queue.Queue, stop: threading.Event,
+                read_timeout_s: float) -> None:
     """Follow one pod's log until its container ends, reconnecting after a dropped connection from
     the last timestamp seen (lines at or before it are skipped: no loss, no duplicates)."""
     from kubernetes.client.exceptions import ApiException
@@ -453,7 +457,7 @@ def _stream_log(core, namespace: str, pod: str, node: int, lines: queue.Queue, s
             try:
                 # _preload_content=False: kubernetes<37 decodes the log as a str of the bytes' repr.
                 resp = core.read_namespaced_pod_log(pod, namespace, container=CONTAINER, follow=True, timestamps=True,
-                                                    _preload_content=False, _request_timeout=(10, 3600), **kwargs)
+                                                    _preload_content=False, _request_timeout=(10, read_timeout_s), **kwargs)
                 buffer = b""
                 for chunk in resp.stream(4096):
                     buffer += chunk

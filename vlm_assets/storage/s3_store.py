@@ -45,6 +45,16 @@ class S3ArtifactStore(ArtifactStore):
         self.prefix = prefix.strip("/")
         self.cache_dir = Path(cache_dir or Path(tempfile.gettempdir()) / "vlm_assets-s3-cache")
 
+    def _staging_root(self) -> str:
+        """Builds are staged under ``$VLM_ASSETS_HOME/staging``, not the system temp dir: on a cluster
+        that directory is the volume the run pod shares with the training pods (whose rank 0 writes
+        the artifact's files into it) before the upload."""
+        from vlm_assets.paths import home_dir
+
+        root = home_dir() / "staging"
+        root.mkdir(parents=True, exist_ok=True)
+        return str(root)
+
     def _object_key(self, key: str, rel: str = "") -> str:
         parts = [p for p in (self.prefix, key.strip("/"), rel) if p]
         return "/".join(parts)

@@ -327,3 +327,22 @@ def test_k8s_launcher_trains_on_pods_and_a_killed_pod_is_retried_from_the_last_c
     assert meta["cache_key"] == ddp_run[2]["cache_key"] and meta["world_size"] == 2
     assert meta["val_loss"] == pytest.approx(ddp_run[2]["val_loss"], abs=1e-5)  # through Pipes, from rank 0
 
+
+
+def test_k8s_launcher_more_gpus_than_a_node_has_fails_once_with_the_schedulers_reason(
+        tmp_path, offline_data, mlflow_uri, k8s_testbed, namespace):
+    """gpus_per_node (asset config) beyond every node's 8: the pods stay Pending; after the pending
+    timeout the step fails with the scheduler's reason, without retries (a retry cannot fit either),
+    and nothing is left in the namespace (the fixture checks)."""
+    from vlm_assets.defs.platform.launcher import K8sTorchrunLauncher
+
+    env = Env(tmp_path, mlflow_uri)
+    env.resources["launcher"] = K8sTorchrunLauncher(namespace=namespace, kubeconfig=str(k8s_testbed.kubeconfig),
+                                                    python=sys.executable, pending_timeout_s=5)
+    result = env.materialize(run_config(offline_data, gpus_per_node=16, gpu_type="NVIDIA-H100-80GB-HBM3"),
+                             raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    message = failure.step_failure_data.error.message + str(failure.step_failure_data.user_failure_data.metadata)
+    assert "still Pending after 5 s" in message and "Unschedulable" in message, message
+    assert not [e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]

@@ -171,3 +171,34 @@ def test_rendered_pods_carry_the_per_asset_and_cluster_settings():
     assert pods[3]["metadata"]["labels"]["dagster/run-id"] == "abc"
     with pytest.raises(ValueError, match="look like credentials"):
         PodSettings(env={"AWS_SECRET_ACCESS_KEY": "x"})
+
+
+def test_a_dropped_log_connection_is_reopened_without_losing_or_repeating_lines(k8s_testbed, namespace):
+    """Log reads time out after 1 s of silence while rank 0 prints a line every 1.5 s: every read
+    drops, and every line must still arrive exactly once (what keeps an hours-long pod's messages)."""
+    lines, on_line = collect()
+    spec = LaunchSpec(WORKER, ("--ticks", "5"), num_nodes=2, nproc_per_node=1, timeout_s=180, name="ticks")
+    run_k8s(spec, settings(namespace, k8s_testbed.kubeconfig, log_read_timeout_s=1), on_line)
+    assert [line for _, line in lines if line.startswith("tick ")] == [f"tick {i}" for i in range(5)]
+
+
+def test_objects_of_runs_that_are_not_live_are_deleted_at_the_next_start(k8s_testbed, namespace):
+    """What a step killed outright left (nobody deleted its pods) goes at the next launch's start;
+    the pods of live runs stay."""
+    from kubernetes import client
+
+    from vlm_assets.launch.k8s import delete_orphans
+
+    api = k8s_testbed.api()
+    core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
+    for run_id in ("dead-run", "live-run"):
+        launch = Launch(LaunchSpec(WORKER, ("--hang",), num_nodes=1), settings(namespace, k8s_testbed.kubeconfig),
+                        labels={"dagster/run-id": run_id})
+        core.create_namespaced_service(namespace, launch.service())
+        core.create_namespaced_pod(namespace, launch.pods()[0])
+    deleted = delete_orphans(core, batch, namespace, run_is_live=lambda run_id: run_id == "live-run")
+    assert sorted(name.split("/")[0] for name in deleted) == ["pod", "service"]
+    left = core.list_namespaced_pod(namespace).items
+    assert [p.metadata.labels["dagster/run-id"] for p in left] == ["live-run"]
+    assert delete_orphans(core, batch, namespace, run_is_live=lambda run_id: False)
+    assert not core.list_namespaced_pod(namespace).items

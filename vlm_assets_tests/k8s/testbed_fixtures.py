@@ -31,9 +31,21 @@ class Testbed:
         return config.new_client_from_config(config_file=str(kubeconfig or self.kubeconfig))
 
 
+def build_lock() -> Path:
+    """The lock scripts/test.sh holds while it builds the binaries in the background."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    lock = cache / "k8s-testbed" / "build.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    return lock
+
+
 @pytest.fixture(scope="session")
 def k8s_testbed(tmp_path_factory):
-    build = subprocess.run([str(TESTBED / "build.sh")], capture_output=True, text=True)
+    import fcntl
+
+    with open(build_lock(), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a build in progress (scripts/test.sh) ends first
+        build = subprocess.run([str(TESTBED / "build.sh")], capture_output=True, text=True)
     if build.returncode != 0:
         pytest.fail(f"building the k8s testbed failed (exit {build.returncode}):\n{build.stdout[-3000:]}\n{build.stderr[-3000:]}")
     run_dir = tmp_path_factory.mktemp("k8s-testbed")

@@ -23,6 +23,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--hang", action="store_true", help="the non-failing ranks block in a collective")
+    parser.add_argument("--ticks", type=int, default=0, help="rank 0 then prints this many lines, 1.5 s apart")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -34,6 +35,9 @@ def main() -> None:
         # os._exit, not sys.exit: interpreter shutdown with a live gloo group sometimes aborts in
         # gloo's destructor (exit -6 instead of 3), and the test asserts the code the worker chose.
         os._exit(3)
+    for tick in range(args.ticks if rank == 0 else 0):
+        time.sleep(1.5)
+        say(f"tick {tick}")
     if args.hang:
         time.sleep(3600)  # stands in for a collective that never completes
     dist.barrier()

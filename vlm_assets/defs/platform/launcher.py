@@ -152,7 +152,7 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
             if not reader.consume(line):
                 context.log.info(f"[node {node}] {line}")
 
-        labels = {"dagster/run-id": context.run_id, "dagster/asset": context.asset_key.to_user_string(),
+        labels = {"dagster/run-id": context.run.run_id, "dagster/asset": context.asset_key.to_user_string(),
                   "dagster/step": context.op_execution_context.node_handle.name}
         forwarded = {name: os.environ[name] for name in settings.forward_env if name in os.environ}
         with _without(dg.PreviewWarning), dg.open_pipes_session(

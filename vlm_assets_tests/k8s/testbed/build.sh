@@ -30,6 +30,7 @@ APT_CONFIG="$W/apt/apt.conf" apt-get update -qq
 apt-get update -qq
 # kubectl from Debian's kubernetes-client only where none is installed (a kubectl from another
 # package owns /usr/bin/kubectl, and dpkg refuses to overwrite it).
+dpkg --configure -a >/dev/null 2>&1 || true  # finish what an interrupted install left unpacked
 pkgs=(golang-go etcd-server make rsync jq openssl bc)
 command -v kubectl >/dev/null || pkgs+=(kubernetes-client)
 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >/dev/null
