@@ -4,6 +4,8 @@ of its own."""
 
 import dagster as dg
 
+from vlm_assets.defs.platform.environment import schedule_cron
+
 
 @dg.definitions
 def jobs() -> dg.Definitions:
@@ -23,7 +25,7 @@ def jobs() -> dg.Definitions:
         for name, asset in (("gpt", "gpt_checkpoint"), ("adapter", "occlusion_adapter"))
     ]
     main_schedule = dg.ScheduleDefinition(
-        name="main_schedule", job=main_job, cron_schedule="0 3 * * *",
+        name="main_schedule", job=main_job, cron_schedule=schedule_cron(),
         default_status=dg.DefaultScheduleStatus.STOPPED,
     )
     return dg.Definitions(jobs=[main_job, *trainer_jobs], schedules=[main_schedule])

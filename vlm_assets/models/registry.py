@@ -9,6 +9,7 @@ registration that died half-way, and a registry that was reset or an alias moved
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 WEIGHTS_TAG = "weights_sha256"
 
@@ -21,10 +22,11 @@ class Registration:
     action: str  # "registered" | "alias moved" | "already current"
 
 
-def register_once(client, name: str, alias: str, weights_sha256: str, log_model: Callable[[], str],
+def register_once(client, name: str, alias: str, weights_sha256: str, log_model: Callable[[], Any],
                   description: str) -> Registration:
     """Make ``name@alias`` point at the version holding these weights. ``log_model`` logs the model and
-    returns its URI; it is called only when no version with these weights exists."""
+    returns its ``mlflow.models.model.ModelInfo``; it is called only when no version with these
+    weights exists."""
     from mlflow.exceptions import MlflowException
 
     existing = client.search_model_versions(f"name = '{name}' and tags.{WEIGHTS_TAG} = '{weights_sha256}'")
@@ -36,11 +38,13 @@ def register_once(client, name: str, alias: str, weights_sha256: str, log_model:
             client.get_registered_model(name)
         except MlflowException:
             client.create_registered_model(name, description=description)
-        model_uri = log_model()
+        logged = log_model()
         # The tag is set in the same call that creates the version: there is no moment at which a
-        # version with these weights exists untagged, so a retry never registers them twice.
-        version = str(client.create_model_version(name, model_uri, tags={WEIGHTS_TAG: weights_sha256},
-                                                  description=description).version)
+        # version with these weights exists untagged, so a retry never registers them twice. The
+        # model id and run go with the source: a tracking server refuses a `models:/m-...` source
+        # without the id of the logged model it names (a local store lets it pass).
+        version = str(client.create_model_version(name, logged.model_uri, run_id=logged.run_id, model_id=logged.model_id,
+                                                  tags={WEIGHTS_TAG: weights_sha256}, description=description).version)
         action = "registered"
     try:
         current = str(client.get_model_version_by_alias(name, alias).version)

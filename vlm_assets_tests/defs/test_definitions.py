@@ -9,7 +9,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from vlm_assets.defs.platform.environment import profile, resources_for
+from vlm_assets.defs.platform.environment import profile, resources_for, schedule_cron
 
 
 def test_definitions_snapshot():
@@ -57,6 +57,9 @@ def test_environment_switches(tmp_path, monkeypatch):
         else:
             raise AssertionError(f"{bad} accepted")
     assert profile({"VLM_ASSETS_PROFILE": "seed"}) == "seed" and profile({}) == "demo"
+    assert schedule_cron({}) == "0 3 * * *" and schedule_cron({"VLM_ASSETS_SCHEDULE_CRON": "*/5 * * * *"})
+    with pytest.raises(ValueError, match="VLM_ASSETS_SCHEDULE_CRON='every day'"):
+        schedule_cron({"VLM_ASSETS_SCHEDULE_CRON": "every day"})
 
 
 def _defaults_in_a_fresh_process(profile_name: str, extra_code: str = "") -> subprocess.CompletedProcess:

@@ -122,7 +122,7 @@ def registered_adapter(context: dg.AssetExecutionContext, config: RegisteredAdap
     store = artifact_store.get_store()
     weights_sha = store.read_manifest(occlusion_adapter.key).files["adapter.safetensors"]["sha256"]
 
-    def log_model() -> str:
+    def log_model():
         tags = {"dagster.run_id": context.run.run_id, "dagster.asset": "registered_adapter"}
         with mlflow.start_run(run_name="registered_adapter", tags=tags) as run:
             return log_adapter_model(run, store.local_path(occlusion_adapter.key), mlflow.tracking_uri)
@@ -135,8 +135,8 @@ def registered_adapter(context: dg.AssetExecutionContext, config: RegisteredAdap
         "weights_sha256": weights_sha, "registry_uri": mlflow.tracking_uri})
 
 
-def log_adapter_model(run: TrackedRun, root: Path, tracking_uri: str) -> str:
-    """Log the pyfunc into ``run`` with MLflow's models-from-code; returns the model URI."""
+def log_adapter_model(run: TrackedRun, root: Path, tracking_uri: str):
+    """Log the pyfunc into ``run`` with MLflow's models-from-code; returns its ``ModelInfo``."""
     import mlflow as mlflow_lib
     from mlflow.models import ModelSignature
     from mlflow.types.schema import Array, ColSpec, Schema
@@ -152,7 +152,7 @@ def log_adapter_model(run: TrackedRun, root: Path, tracking_uri: str) -> str:
         logged = mlflow_lib.pyfunc.log_model(
             name="model", python_model=str(Path(adapter_pyfunc.__file__).with_name("adapter_model.py")), signature=signature, input_example=example,
             artifacts={"adapter": str(root / "adapter.safetensors"), "backbone": str(root / "backbone.json")})
-    return logged.model_uri
+    return logged
 
 
 def _input_example(info: dict):

@@ -9,6 +9,7 @@
 ``VLM_ASSETS_PROFILE``  ``demo`` (default: offline real data, tiny models, CPU) or ``seed`` (full scale)
 ``VLM_ASSETS_ON_BUSY``  ``wait`` (default) or ``fail``: a key another live attempt is building
 ``VLM_ASSETS_LEASE_TTL_S`` seconds without renewal after which a builder's lease expires (default 120)
+``VLM_ASSETS_SCHEDULE_CRON`` cron of ``main_schedule`` (default ``0 3 * * *``)
 """
 
 import os
@@ -30,6 +31,17 @@ def profile(env: Mapping[str, str] = os.environ) -> str:
     if name not in PROFILES:
         raise ValueError(f"VLM_ASSETS_PROFILE={name!r}: expected one of {PROFILES}")
     return name
+
+
+def schedule_cron(env: Mapping[str, str] = os.environ) -> str:
+    # Checked here with Dagster's own parser (not public API): Dagster rejects a bad cron only when
+    # it builds the schedule, in an error that does not name the variable it came from.
+    from dagster._utils.schedules import is_valid_cron_string
+
+    cron = env.get("VLM_ASSETS_SCHEDULE_CRON", "0 3 * * *")
+    if not is_valid_cron_string(cron):
+        raise ValueError(f"VLM_ASSETS_SCHEDULE_CRON={cron!r} is not a cron schedule (e.g. '0 3 * * *')")
+    return cron
 
 
 def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.ConfigurableResource]:
@@ -54,10 +66,14 @@ def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.Configura
         )
     else:
         raise ValueError(f"VLM_ASSETS_STORE={store_kind!r}: expected 'local' or 's3'")
+    tracking_uri = env.get("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
+    # A tracking server decides where artifacts go (the team configuration proxies them to S3); a
+    # local store keeps them beside it.
+    server = tracking_uri.startswith(("http://", "https://", "databricks"))
     tracking = MlflowTrackingResource(
-        tracking_uri=env.get("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}"),
+        tracking_uri=tracking_uri,
         experiment_name=env.get("MLFLOW_EXPERIMENT_NAME", "vlm_assets"),
-        artifact_location=env.get("VLM_ASSETS_MLFLOW_ARTIFACTS", (home / "mlruns").as_uri()),
+        artifact_location=env.get("VLM_ASSETS_MLFLOW_ARTIFACTS") or (None if server else (home / "mlruns").as_uri()),
     )
     return {"artifact_store": store, "mlflow": tracking, "launcher": launcher_for(env)}
 

@@ -51,6 +51,8 @@ def reap_on_load(instance: dg.DagsterInstance, store_resource: ArtifactStoreReso
                  log: Callable[[str], None]) -> None:
     """At code location load, on a persistent instance (DAGSTER_HOME); never fails the load."""
     try:
+        # Outside a run its EnvVar fields (S3 credentials) are resolved only by initializing it.
+        store_resource = store_resource.process_config_and_initialize()
         reap_dead_runs(instance, store_resource.get_store(), store_resource.lease_ttl_s, log)
     except Exception as err:  # a store that cannot be read now must not block loading
         log(f"dead-run reaper skipped: {type(err).__name__}: {err}")
