@@ -8,7 +8,6 @@ final materialization metadata through it.
 """
 
 import contextlib
-import json
 import multiprocessing
 import os
 import warnings
@@ -17,8 +16,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
-from dagster_k8s.pipes import PipesK8sPodLogsMessageReader
-from dagster_pipes import PIPES_PROTOCOL_VERSION_FIELD
 from pydantic import Field
 
 from vlm_assets.launch import LaunchFailed, LaunchSpec, run_local
@@ -53,7 +50,7 @@ def _without(category: type[Warning]) -> Iterator[None]:
 @contextlib.contextmanager
 def _as_step_failure() -> Iterator[None]:
     """A ``LaunchFailed`` as a ``dg.Failure`` naming the node, its exit code and last lines; retryable
-    unless the job ran out of time."""
+    unless a retry would fail the same way (the time limit, a request no node can hold)."""
     try:
         yield
     except LaunchFailed as err:
@@ -146,7 +143,7 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
         if orphans := delete_orphans(client.CoreV1Api(api), client.BatchV1Api(api), settings.namespace,
                                      lambda run_id: _run_is_live(context.instance, run_id)):
             context.log.warning(f"deleted what dead runs left in namespace {settings.namespace}: {', '.join(orphans)}")
-        reader = _PodLogMessageReader()
+        reader = _pod_log_reader()
 
         def on_line(node: int, line: str) -> None:
             if not reader.consume(line):
@@ -164,20 +161,31 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
         return [r for r in session.get_results() if isinstance(r, dg.MaterializeResult)]
 
 
-class _PodLogMessageReader(PipesK8sPodLogsMessageReader):
-    """dagster-k8s's reader (its ``read_messages`` tells rank 0 to write messages on stderr), fed the
-    lines of every pod: its own ``consume_pod_logs`` follows one pod and forwards the other lines to
-    stdout, while a multi-node launch follows all pods and puts their lines in the step log."""
+def _pod_log_reader():
+    """A reader of rank 0's Pipes messages out of the pod logs. Built on first use: a module-level
+    subclass would import dagster-k8s and the kubernetes client at every code-location load (Dagster
+    imports every module under defs/), for the local launcher too."""
+    import json
 
-    def consume(self, line: str) -> bool:
-        """Handle ``line`` if it is a Pipes message; False for any other log line."""
-        if PIPES_PROTOCOL_VERSION_FIELD not in line:
-            return False
-        try:
-            message = json.loads(line)
-        except json.JSONDecodeError:
-            return False
-        if not isinstance(message, dict) or PIPES_PROTOCOL_VERSION_FIELD not in message or self._handler is None:
-            return False
-        self._handler.handle_message(message)
-        return True
+    from dagster_k8s.pipes import PipesK8sPodLogsMessageReader
+    from dagster_pipes import PIPES_PROTOCOL_VERSION_FIELD
+
+    class PodLogMessageReader(PipesK8sPodLogsMessageReader):
+        """dagster-k8s's reader (its ``read_messages`` tells rank 0 to write messages on stderr), fed the
+        lines of every pod: its own ``consume_pod_logs`` follows one pod and forwards the other lines to
+        stdout, while a multi-node launch follows all pods and puts their lines in the step log."""
+
+        def consume(self, line: str) -> bool:
+            """Handle ``line`` if it is a Pipes message; False for any other log line."""
+            if PIPES_PROTOCOL_VERSION_FIELD not in line:
+                return False
+            try:
+                message = json.loads(line)
+            except json.JSONDecodeError:
+                return False
+            if not isinstance(message, dict) or PIPES_PROTOCOL_VERSION_FIELD not in message or self._handler is None:
+                return False
+            self._handler.handle_message(message)
+            return True
+
+    return PodLogMessageReader()
