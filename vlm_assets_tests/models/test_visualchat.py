@@ -1,0 +1,178 @@
+"""VisualChat model: multi-modal causal attention against an explicit reference, packed samples equal
+to unpacked ones, image splicing, save/load round trip without peft, streaming decode, bad paths."""
+
+import numpy as np
+import pytest
+import torch
+
+from vlm_assets.models.visualchat import VisualChatModel, VisualChatModelConfig, positions_from_segments
+from vlm_assets.models.visualchat_attention import Layout, visualchat_attention
+from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
+
+
+def reference_attention(query, key, value, layout: Layout, scaling: float) -> torch.Tensor:
+    """One query at a time with explicit softmaxes over the keys each group may see: a text token's
+    image part and text part normalised separately and summed; an image token sees images only."""
+    b, h, q, d = query.shape
+    out = torch.zeros(b, q, h, d, dtype=query.dtype)
+    offset = key.shape[2] - q
+    for bi in range(b):
+        for qi in range(q):
+            pos = offset + qi
+            seg = int(layout.segments[bi, pos])
+            keys = [j for j in range(pos + 1) if (seg and int(layout.segments[bi, j]) == seg) or (not seg and j == pos)]
+            groups = [keys]
+            if layout.mmca:
+                images = [j for j in keys if layout.image[bi, j]]
+                text = [j for j in keys if not layout.image[bi, j]]
+                groups = [images] if layout.image[bi, pos] else [g for g in (images, text) if g]
+            for hi in range(h):
+                for group in groups:
+                    scores = torch.stack([query[bi, hi, qi] @ key[bi, hi, j] for j in group]) * scaling
+                    weights = torch.softmax(scores, dim=0)
+                    out[bi, qi, hi] += sum(w * value[bi, hi, j] for w, j in zip(weights, group))
+    return out
+
+
+class _Module:
+    training = False
+
+
+@pytest.mark.parametrize("mmca", [True, False])
+def test_attention_matches_the_reference_on_a_two_image_sample(mmca):
+    """Text, image 1 (3 tokens), text, image 2 (3 tokens), text; a second packed sample; padding."""
+    torch.manual_seed(0)
+    image = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 0, 0, 0]], dtype=torch.bool)
+    segments = torch.tensor([[1] * 12 + [2, 2, 2, 0]])
+    layout = Layout(segments, image, mmca)
+    q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64) for _ in range(3))
+    from vlm_assets.models.visualchat_attention import attention_layout
+
+    with attention_layout(layout):
+        fast, _ = visualchat_attention(_Module(), q, k, v, None, scaling=8 ** -0.5)
+    torch.testing.assert_close(fast, reference_attention(q, k, v, layout, 8 ** -0.5), rtol=1e-10, atol=1e-10)
+    if mmca:  # not plain causal attention: the image part is normalised on its own
+        plain = Layout(segments, image, False)
+        with attention_layout(plain):
+            causal, _ = visualchat_attention(_Module(), q, k, v, None, scaling=8 ** -0.5)
+        assert (causal - fast).abs().max() > 0.1
+
+
+def test_cached_decoding_sees_the_same_layout_as_a_full_pass():
+    """The last query of a full pass equals one decoding step over cached keys (queries are the last Q)."""
+    torch.manual_seed(1)
+    image = torch.tensor([[0, 1, 1, 0, 0, 1]], dtype=torch.bool)
+    layout = Layout(torch.ones(1, 6, dtype=torch.long), image, True)
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    from vlm_assets.models.visualchat_attention import attention_layout
+
+    with attention_layout(layout):
+        full, _ = visualchat_attention(_Module(), q, k, v, None, scaling=0.5)
+        step, _ = visualchat_attention(_Module(), q[:, :, -1:], k, v, None, scaling=0.5)
+    torch.testing.assert_close(step[:, 0], full[:, -1])
+
+
+def test_positions_restart_per_segment():
+    segments = torch.tensor([[1, 1, 1, 2, 2, 3, 0, 0]])
+    assert positions_from_segments(segments).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+
+
+@pytest.fixture(scope="module")
+def clip_model(tmp_path_factory, offline_data):
+    root = tmp_path_factory.mktemp("vc")
+    config = VisualChatModelConfig(encoder={"kind": "clip", "name_or_path": str(tiny_clip(root / "clip"))},
+                                   projection="linear", decoder=str(tiny_decoder(root / "llama", offline_data)),
+                                   mmca=True)
+    return VisualChatModel.build(config)
+
+
+def _sample(model, n_images: int, text: str, answer: str):
+    prompt = model.tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = prompt[:2] + [model.image_token_id] * model.num_image_tokens * n_images + prompt[2:]
+    target = model.tokenizer(answer, add_special_tokens=False)["input_ids"] + [model.tokenizer.eos_token_id]
+    return ids + target, [-100] * len(ids) + target
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_packed_samples_give_the_loss_of_the_same_samples_unpacked(tmp_path, offline_data, arch):
+    config = VisualChatModelConfig(encoder={"kind": "clip", "name_or_path": str(tiny_clip(tmp_path / "clip"))},
+                                   projection="perceiver", num_queries=4, mmca=True,
+                                   decoder=str(tiny_decoder(tmp_path / arch, offline_data, arch)))
+    model = VisualChatModel.build(config).eval()
+    torch.manual_seed(0)
+    a, b = _sample(model, 2, "Which of these is a cat?", "the first"), _sample(model, 1, "What is shown?", "a ship")
+    pixels = torch.rand(3, 3, 32, 32)
+    width = max(len(a[0]), len(b[0]))
+    ids = torch.full((2, width), model.tokenizer.pad_token_id)
+    labels = torch.full((2, width), -100)
+    segments = torch.zeros(2, width, dtype=torch.long)
+    for row, (i, lab) in enumerate((a, b)):
+        ids[row, : len(i)], labels[row, : len(lab)], segments[row, : len(i)] = torch.tensor(i), torch.tensor(lab), 1
+    unpacked = model(ids, pixels, labels=labels, segments=segments).loss
+    packed_ids = torch.tensor([a[0] + b[0]])
+    packed = model(packed_ids, pixels, labels=torch.tensor([a[1] + b[1]]),
+                   segments=torch.tensor([[1] * len(a[0]) + [2] * len(b[0])])).loss
+    torch.testing.assert_close(packed, unpacked, rtol=1e-5, atol=1e-6)
+
+
+def test_image_features_land_at_the_image_tokens(clip_model):
+    ids, _ = _sample(clip_model, 2, "Compare these", "ok")
+    pixels = torch.rand(2, 3, 32, 32)
+    embeds = clip_model.embed(torch.tensor([ids]), pixels)
+    slots = torch.tensor(ids) == clip_model.image_token_id
+    torch.testing.assert_close(embeds[0, slots], clip_model.image_features(pixels).reshape(-1, embeds.shape[-1]))
+    with pytest.raises(ValueError, match="image token positions for 1 image"):
+        clip_model.embed(torch.tensor([ids]), pixels[:1])
+
+
+def test_saved_model_reloads_without_peft_and_answers_the_same(clip_model, tmp_path, monkeypatch):
+    import sys
+
+    ids, labels = _sample(clip_model, 1, "What is shown?", "a cat")
+    pixels = torch.rand(1, 3, 32, 32)
+    clip_model.eval()
+    before = clip_model(torch.tensor([ids]), pixels, labels=torch.tensor([labels])).loss
+    streamed = list(clip_model.stream(ids, pixels, max_new_tokens=5))
+    clip_model.save_pretrained(tmp_path / "vc")
+    monkeypatch.setitem(sys.modules, "peft", None)  # any import of peft now fails
+    loaded = VisualChatModel.from_pretrained(tmp_path / "vc")
+    assert loaded.tokenizer.convert_tokens_to_ids("<image>") == clip_model.image_token_id
+    torch.testing.assert_close(loaded(torch.tensor([ids]), pixels, labels=torch.tensor([labels])).loss, before)
+    assert list(loaded.stream(ids, pixels, max_new_tokens=5)) == streamed
+
+
+def test_streaming_with_a_cache_equals_recomputing_every_step(clip_model):
+    ids, _ = _sample(clip_model, 1, "What is shown?", "")
+    ids = ids[:-1]
+    pixels = torch.rand(1, 3, 32, 32)
+    streamed = list(clip_model.stream(ids, pixels, max_new_tokens=6))
+    greedy, current = [], list(ids)
+    with torch.no_grad():
+        for _ in range(len(streamed)):
+            logits = clip_model(torch.tensor([current]), pixels).logits
+            greedy.append(int(logits[0, -1].argmax()))
+            current.append(greedy[-1])
+    assert streamed == greedy
+
+
+def test_efficientnet_lite0_gives_49_tokens_of_1280_from_pretrained_weights(offline_data):
+    from PIL import Image
+
+    from vlm_assets.models.vision_encoders import EfficientNetLite0Encoder
+
+    encoder = EfficientNetLite0Encoder().eval()
+    images = sorted((offline_data / "cifar10-samples").glob("*.png"))[:2]
+    pixels = torch.stack([torch.from_numpy(np.array(Image.open(p).convert("RGB").resize((224, 224)))).permute(2, 0, 1)
+                          for p in images]).float() / 255
+    with torch.no_grad():
+        features = encoder(pixels)
+    assert features.shape == (2, 49, 1280) and torch.isfinite(features).all()
+    assert features.std() > 0.1  # real weights, not an untrained net
+
+
+def test_a_decoder_directory_that_does_not_load_names_the_path(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for path, error in ((tmp_path / "missing", "does not exist"), (tmp_path / "empty", "no config.json")):
+        with pytest.raises((FileNotFoundError, ValueError), match=error) as info:
+            VisualChatModel.build(VisualChatModelConfig(decoder=str(path)))
+        assert str(path) in str(info.value)
