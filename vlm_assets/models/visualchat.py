@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vlm_assets.models import visualchat_attention
 from vlm_assets.models.projections import ProjectionKind, build_projection, tokens_out
-from vlm_assets.models.vision_encoders import VisionEncoder, VisionEncoderConfig, build_encoder, load_encoder
+from vlm_assets.models.vision_encoders import EncoderKind, VisionEncoder, build_encoder, load_encoder
 from vlm_assets.models.visualchat_attention import Layout, attention_layout
 
 IMAGE_TOKEN = "<image>"
@@ -34,11 +34,16 @@ SPEC_FILE = "visualchat.json"
 
 
 class VisualChatModelConfig(BaseModel):
-    """What the model is made of (the trainer's config nests it; its fields shape the artifact)."""
+    """What the model is made of. The trainer's config (``VisualChatTrainConfig``) inherits these fields:
+    one definition from the asset to the torchrun entry point."""
 
     model_config = ConfigDict(extra="forbid")
 
-    encoder: VisionEncoderConfig = Field(default_factory=VisionEncoderConfig, description="The vision encoder.")
+    encoder_kind: EncoderKind = Field(default="efficientnet_lite0", description=(
+        "Vision encoder family: clip | qwen2_5_vl | efficientnet_lite0 (offline, pretrained)."))
+    encoder: str | None = Field(default=None, description=(
+        "clip / qwen2_5_vl: hub id or directory (e.g. openai/clip-vit-large-patch14); efficientnet_lite0: "
+        "unset (the packaged ImageNet weights) or a weights file."))
     projection: ProjectionKind = Field(default="mlp", description="linear | mlp | perceiver.")
     num_queries: int = Field(default=32, ge=1, description="perceiver only: image tokens per image.")
     decoder: str = Field(default="meta-llama/Llama-2-7b-hf", description=(
@@ -63,7 +68,7 @@ class VisualChatModel(nn.Module):
         """A new model: the pretrained encoder and decoder, the projection at its initialisation."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        encoder = build_encoder(config.encoder)
+        encoder = build_encoder(config.encoder_kind, config.encoder)
         _check_directory(config.decoder, "decoder")
         tokenizer = AutoTokenizer.from_pretrained(config.decoder)
         decoder = AutoModelForCausalLM.from_pretrained(config.decoder, dtype=torch.float32)

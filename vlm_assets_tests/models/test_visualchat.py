@@ -80,7 +80,7 @@ def test_positions_restart_per_segment():
 @pytest.fixture(scope="module")
 def clip_model(tmp_path_factory, offline_data):
     root = tmp_path_factory.mktemp("vc")
-    config = VisualChatModelConfig(encoder={"kind": "clip", "name_or_path": str(tiny_clip(root / "clip"))},
+    config = VisualChatModelConfig(encoder_kind="clip", encoder=str(tiny_clip(root / "clip")),
                                    projection="linear", decoder=str(tiny_decoder(root / "llama", offline_data)),
                                    mmca=True)
     return VisualChatModel.build(config)
@@ -95,7 +95,7 @@ def _sample(model, n_images: int, text: str, answer: str):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_packed_samples_give_the_loss_of_the_same_samples_unpacked(tmp_path, offline_data, arch):
-    config = VisualChatModelConfig(encoder={"kind": "clip", "name_or_path": str(tiny_clip(tmp_path / "clip"))},
+    config = VisualChatModelConfig(encoder_kind="clip", encoder=str(tiny_clip(tmp_path / "clip")),
                                    projection="perceiver", num_queries=4, mmca=True,
                                    decoder=str(tiny_decoder(tmp_path / arch, offline_data, arch)))
     model = VisualChatModel.build(config).eval()

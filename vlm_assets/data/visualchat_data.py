@@ -1,0 +1,280 @@
+"""VisualChat training data: OpenAI chat-messages JSONL and the occlusion manifests' clean images, in
+DeepSpeed-VisualChat's conversation template, with the loss on the assistant's answers only.
+
+A record is one conversation (``{"messages": [{"role", "content"}]}``); ``content`` is a string or a
+list of parts ``{"type": "text", "text": ...}`` / ``{"type": "image", "image": PATH_OR_URL}``. An image
+is a path (relative to the JSONL file), a ``file://`` or ``http(s)://`` URL, or ``FILE.npy#I`` (image I
+of a packed uint8 array, as the manifests store them). Rendered::
+
+    ### System: <system line>
+    ### Image 1:
+    <image> x num_image_tokens
+    ### Question: <user text>
+    ### Answer: <assistant text><eos>      (only the answer text and <eos> carry labels)
+
+Every bad record fails before training, naming the file and line: unknown role, an image file that is
+not there, no assistant turn, more images than ``max_images``, more tokens than ``max_length``.
+
+Samples may be packed first-fit (largest first) into rows of ``pack_tokens``: each keeps its own
+segment id, so the attention keeps samples apart and positions restart (``visualchat_attention``).
+"""
+
+import dataclasses
+import io
+import json
+import random
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_SYSTEM = "You are a helpful assistant that answers questions about images."
+ROLES = ("system", "user", "assistant")
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRecord:
+    messages: list[dict]
+    images: list[str]   # resolved image references, in order of appearance
+    where: str          # "file:line" for errors
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    ids: list[int]
+    labels: list[int]
+    images: list[str]
+
+
+def _parts(content) -> list[dict]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
+def check_record(data, where: str, base: Path, max_images: int) -> ChatRecord:
+    """A validated record; ``ValueError`` / ``FileNotFoundError`` naming ``where`` otherwise."""
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: expected an object with a non-empty 'messages' list")
+    images = []
+    for message in messages:
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ROLES:
+            raise ValueError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        content = message.get("content")
+        if not isinstance(content, (str, list)):
+            raise ValueError(f"{where}: a {role} message needs 'content' (a string or a list of parts)")
+        for part in _parts(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image":
+                if role != "user":
+                    raise ValueError(f"{where}: images belong in user turns, found one in a {role} turn")
+                images.append(_resolve_image(str(part.get("image", "")), base, where))
+            elif kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}: content part {part!r} is neither text nor image")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}: no assistant turn: nothing to learn from")
+    if len(images) > max_images:
+        raise ValueError(f"{where}: {len(images)} images, more than max_images {max_images}")
+    return ChatRecord(messages, images, where)
+
+
+def _resolve_image(ref: str, base: Path, where: str) -> str:
+    if ref.startswith(("http://", "https://")):
+        return ref
+    path_part, _, index = ref.removeprefix("file://").partition("#")
+    path = Path(path_part) if Path(path_part).is_absolute() else base / path_part
+    if not path.is_file():
+        raise FileNotFoundError(f"{where}: image file {path} does not exist")
+    return f"{path}#{index}" if index else str(path)
+
+
+def read_chat_jsonl(path: Path, max_images: int) -> list[ChatRecord]:
+    records = []
+    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_no}"
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not JSON ({err.msg})") from None
+        records.append(check_record(data, where, Path(path).parent, max_images))
+    return records
+
+
+def render(record: ChatRecord, tokenizer, image_token_id: int, num_image_tokens: int, max_length: int, *,
+           open_answer: bool = False) -> Sample:
+    """Token ids and labels of a record in the template (labels on the answers and their <eos> only);
+    ``open_answer`` ends with the assistant's header, for the model to continue."""
+    ids: list[int] = []
+    labels: list[int] = []
+
+    def add(text: str, learn: bool = False) -> None:
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids.extend(tokens)
+        labels.extend(tokens if learn else [IGNORE_INDEX] * len(tokens))
+
+    system = [m for m in record.messages if m["role"] == "system"]
+    add(f"### System: {_text(system[0]['content']) if system else DEFAULT_SYSTEM}\n")
+    image_no = 0
+    for message in record.messages:
+        if message["role"] == "user":
+            for part in _parts(message["content"]):
+                if part["type"] == "image":
+                    image_no += 1
+                    add(f"### Image {image_no}:\n")
+                    ids.extend([image_token_id] * num_image_tokens)
+                    labels.extend([IGNORE_INDEX] * num_image_tokens)
+                    add("\n")
+            if text := _text(message["content"]):
+                add(f"### Question: {text}\n")
+        elif message["role"] == "assistant":
+            add("### Answer: ")
+            add(_text(message["content"]), learn=True)
+            ids.append(tokenizer.eos_token_id)
+            labels.append(tokenizer.eos_token_id)
+            add("\n")
+    if open_answer:
+        add("### Answer: ")
+    if len(ids) > max_length:
+        raise ValueError(f"{record.where}: {len(ids)} tokens ({image_no} image(s) of {num_image_tokens}), "
+                         f"more than max_length {max_length}")
+    return Sample(ids, labels, record.images)
+
+
+def prompt_ids(messages: list[dict], tokenizer, image_token_id: int, num_image_tokens: int) -> list[int]:
+    """A conversation so far, ending with the assistant's header: what the model continues (chat, eval)."""
+    record = ChatRecord(messages, [], "prompt")
+    return render(record, tokenizer, image_token_id, num_image_tokens, max_length=10 ** 9, open_answer=True).ids
+
+
+def _text(content) -> str:
+    return " ".join(p["text"] for p in _parts(content) if p["type"] == "text").strip()
+
+
+# -- the occlusion manifests as chat data ------------------------------------------------------------
+VQA_QUESTION = "What is shown?"
+
+
+def manifest_records(root: Path, split: str, *, pairs: int = 0, seed: int = 0) -> list[ChatRecord]:
+    """Each clean image as VQA ("What is shown?" -> class name), then ``pairs`` two-image, two-round
+    conversations ("Which of these is a <class>?" -> "Image N", then "And the other one?" -> its class)."""
+    images = root / "images" / f"{split}.npy"
+    rows = [json.loads(line) for line in (root / f"{split}.jsonl").read_text().splitlines()]
+    records = []
+    for line_no, row in enumerate(rows, 1):
+        ref = f"{images}#{row['index']}"
+        records.append(ChatRecord([
+            {"role": "user", "content": [{"type": "image", "image": ref}, {"type": "text", "text": VQA_QUESTION}]},
+            {"role": "assistant", "content": row["label"]}], [ref], f"{root / split}.jsonl:{line_no}"))
+    rng = random.Random(seed)
+    by_class: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_class.setdefault(row["label"], []).append(i)
+    classes = sorted(by_class)
+    for _ in range(pairs if len(classes) > 1 else 0):
+        first, second = rng.sample(classes, 2)
+        a, b = rng.choice(by_class[first]), rng.choice(by_class[second])
+        target = rng.randrange(2)
+        refs = [f"{images}#{rows[i]['index']}" for i in (a, b)]
+        asked, other = (first, second) if target == 0 else (second, first)
+        records.append(ChatRecord([
+            {"role": "user", "content": [{"type": "image", "image": refs[0]}, {"type": "image", "image": refs[1]},
+                                         {"type": "text", "text": f"Which of these is a {asked}?"}]},
+            {"role": "assistant", "content": f"Image {target + 1}"},
+            {"role": "user", "content": "And the other one?"},
+            {"role": "assistant", "content": other}], refs, f"{root / split}.jsonl:pairs"))
+    return records
+
+
+# -- blending, split, packing -------------------------------------------------------------------------
+def blend(datasets: Sequence[tuple[list, int | None]], seed: int) -> list:
+    """``count`` records of each dataset (None = all; more than it has = repeated), shuffled together."""
+    rng = random.Random(seed)
+    out = []
+    for records, count in datasets:
+        if not records:
+            continue
+        count = len(records) if count is None else count
+        order = list(range(len(records)))
+        rng.shuffle(order)
+        out.extend(records[order[i % len(order)]] for i in range(count))
+    rng.shuffle(out)
+    return out
+
+
+def split(records: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """(train, eval): a seeded ``eval_fraction`` held out (at least one record when the fraction is > 0)."""
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    held = max(1, round(eval_fraction * len(records))) if eval_fraction else 0
+    return [records[i] for i in sorted(order[held:])], [records[i] for i in sorted(order[:held])]
+
+
+def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing: sample indices grouped into rows of at most ``budget`` tokens."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if lengths[i] > budget:
+            raise ValueError(f"sample {i} has {lengths[i]} tokens, more than the packing budget {budget}")
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(budget - lengths[i])
+    return rows
+
+
+# -- images and batches -------------------------------------------------------------------------------
+_ARRAYS: dict[str, np.ndarray] = {}
+
+
+def load_image(ref: str, size: int) -> torch.Tensor:
+    """(3, size, size) float pixels in [0, 1]."""
+    from PIL import Image
+
+    if ref.startswith(("http://", "https://")):
+        with urllib.request.urlopen(ref, timeout=30) as response:
+            image = Image.open(io.BytesIO(response.read()))
+    else:
+        path, _, index = ref.partition("#")
+        if index:
+            array = _ARRAYS.get(path)
+            if array is None:
+                array = _ARRAYS[path] = np.load(path, mmap_mode="r")
+            image = Image.fromarray(np.asarray(array[int(index)]).squeeze())
+        else:
+            image = Image.open(path)
+    image = image.convert("RGB").resize((size, size), Image.BICUBIC)
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255
+
+
+def collate(rows: Sequence[Sequence[Sample]], pad_id: int, image_size: int) -> dict[str, torch.Tensor]:
+    """A batch of rows, each one or more packed samples: ids, labels, segments (0 = padding), restarted
+    position ids and every image in order."""
+    from vlm_assets.models.visualchat import positions_from_segments
+
+    width = max(sum(len(s.ids) for s in row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    segments = torch.zeros((len(rows), width), dtype=torch.long)
+    images = []
+    for r, row in enumerate(rows):
+        at = 0
+        for s, sample in enumerate(row, 1):
+            span = slice(at, at + len(sample.ids))
+            ids[r, span], labels[r, span], segments[r, span] = torch.tensor(sample.ids), torch.tensor(sample.labels), s
+            images.extend(sample.images)
+            at += len(sample.ids)
+    pixels = torch.stack([load_image(ref, image_size) for ref in images]) if images else None
+    return {"input_ids": ids, "labels": labels, "segments": segments, "position_ids": positions_from_segments(segments),
+            "pixels": pixels}

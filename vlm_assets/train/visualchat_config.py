@@ -1,0 +1,55 @@
+"""The one config of VisualChat training: the model's fields (``VisualChatModelConfig``) plus how to
+train it. The torchrun entry point reads it from the run file (``--config run.json``)."""
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from vlm_assets.models.visualchat import VisualChatModelConfig
+from vlm_assets.train.run_config import RunConfig, run_field
+
+Module = Literal["encoder", "projection", "decoder", "lora"]
+
+
+class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
+    micro_batch_size: int = run_field(2, "Rows per process per forward/backward (a row is one sample, or several "
+                                         "when packing).", ge=1)
+    global_batch_size: int = Field(default=8, ge=1, description="Rows per optimizer step over all processes.")
+    zero_stage: int = Field(default=2, description="DeepSpeed ZeRO stage: 2 (optimizer + gradients sharded) or 3 "
+                                                   "(parameters too).")
+    lora_r: int = Field(default=8, ge=1, description="LoRA rank on the decoder's linear layers.")
+    lora_alpha: int = Field(default=16, ge=1, description="LoRA scale numerator (scale = alpha / r).")
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1, description=(
+        "LoRA dropout. 0 keeps a resumed run bit-exact (no random state to carry across processes)."))
+    lora_encoder: bool = Field(default=False, description="Also put LoRA on the vision encoder's linear layers.")
+    freeze_modules: list[Module] = Field(default=["encoder", "decoder"], description=(
+        "Modules whose weights stay fixed: encoder, projection, decoder (its base weights), lora."))
+    lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate (linear warmup, then constant).")
+    warmup_steps: int = Field(default=10, ge=0, description="Linear learning-rate warmup steps.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(default=1.0, ge=0, description="Gradient norm clip (0 disables).")
+    max_steps: int = Field(default=200, ge=1, description="Optimizer steps.")
+    seed: int = Field(default=0, description="Seeds the projection's init, LoRA's init and the data order.")
+    chat_datasets: dict[str, int | None] = Field(default={}, description=(
+        "Chat-messages JSONL files -> how many samples of each to blend in (null: all; more: repeated)."))
+    vqa_count: int | None = Field(default=None, ge=0, description=(
+        "Clean manifest images as VQA ('What is shown?' -> class) to blend in (null: all)."))
+    pair_count: int = Field(default=0, ge=0, description=(
+        "Two-image, two-round conversations made from the manifests ('Which of these is a ...?')."))
+    eval_fraction: float = Field(default=0.1, ge=0, lt=1, description="Share of the blended records held out.")
+    packing: bool = Field(default=False, description=(
+        "Pack samples first-fit into rows of pack_tokens (attention kept per sample, positions restart)."))
+    pack_tokens: int = Field(default=1024, ge=16, description="Tokens per packed row.")
+    gradient_checkpointing: bool = run_field(False, "Recompute the decoder's activations in backward.")
+    checkpoint_every: int = run_field(50, "Commit a checkpoint every this many optimizer steps (and at the end).", ge=1)
+    log_every: int = run_field(10, "Report the train loss every this many steps.", ge=1)
+
+    @field_validator("zero_stage")
+    @classmethod
+    def _stage(cls, value: int) -> int:
+        if value not in (2, 3):
+            raise ValueError(f"zero_stage {value} is not supported: VisualChat trains with ZeRO stage 2 or 3")
+        return value
+
+    def trained_modules(self) -> list[str]:
+        return [m for m in ("encoder", "projection", "decoder", "lora") if m not in self.freeze_modules]

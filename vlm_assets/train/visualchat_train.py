@@ -1,0 +1,240 @@
+"""VisualChat training entry point: the plain DeepSpeed engine (ZeRO-2 or 3), LoRA on the decoder, then
+LoRA merged and the whole model exported. One process per device, started by torchrun or the launcher:
+
+    torchrun --nnodes=1 --nproc-per-node=2 -m vlm_assets.train.visualchat_train --config run.json
+
+``run.json`` holds a ``VisualChatTrainConfig`` and ``RunPaths`` (input ``occlusion_manifests``, optional).
+bf16 on GPUs (NCCL), fp32 on CPU (gloo). Every ``checkpoint_every`` steps the engine's checkpoint
+(module, optimizer, scheduler, global step and data position) is committed to the artifact store; a
+relaunch resumes from the newest intact one at the same step and data position, so the loss curve
+continues exactly (LoRA dropout 0: nothing random is left to carry). At the end rank 0 gathers the
+weights (from the ZeRO-3 partitions too), merges LoRA into the decoder, checks the merged model
+against the unmerged one on a fixed batch, writes ``model/`` (``VisualChatModel.save_pretrained``) and
+``history.json`` into ``out_dir`` and reports through Pipes.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from vlm_assets.data import visualchat_data as vd
+from vlm_assets.models.visualchat import VisualChatModel
+from vlm_assets.storage import store_from_spec
+from vlm_assets.train.checkpoints import StoreCheckpointIO, latest_checkpoint
+from vlm_assets.train.reporting import Reporter
+from vlm_assets.train.run_config import RunPaths, read_run_file
+from vlm_assets.train.visualchat_config import VisualChatTrainConfig
+
+EVAL_BATCH = 4
+# DeepSpeed probes for an accelerator and warns at every process start when it finds none; on CPU say so.
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+# DeepSpeed's ZeRO calls torch collectives that torch deprecated (all_gather_into_tensor,
+# reduce_scatter_tensor): nothing of ours to change.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+
+def build_model(config: VisualChatTrainConfig) -> VisualChatModel:
+    """The model to train: pretrained parts, projection at init, LoRA (zero at init) on the decoder, and
+    ``requires_grad`` set by ``freeze_modules``. Deterministic in ``config.seed``."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(config.seed)
+    model = VisualChatModel.build(config)
+    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules="all-linear")
+    model.decoder = get_peft_model(model.decoder, lora)
+    if config.lora_encoder:
+        model.encoder = get_peft_model(model.encoder, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha,
+                                                                 target_modules="all-linear"))
+    for name, param in model.named_parameters():
+        module = "lora" if "lora_" in name else name.split(".")[0]
+        param.requires_grad_(module not in config.freeze_modules)
+    if config.gradient_checkpointing:
+        model.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def build_samples(config: VisualChatTrainConfig, model: VisualChatModel, manifests: Path | None):
+    """(train rows, eval samples): blended, split, rendered (bad records fail here, naming file:line), packed."""
+    datasets = [(vd.read_chat_jsonl(Path(path), config.max_images), count)
+                for path, count in sorted(config.chat_datasets.items())]
+    if manifests is not None:
+        vqa = vd.manifest_records(manifests, "train", pairs=config.pair_count, seed=config.seed)
+        singles = [r for r in vqa if len(r.images) == 1]
+        datasets += [(singles, config.vqa_count), ([r for r in vqa if len(r.images) == 2], None)]
+    records = vd.blend(datasets, config.seed)
+    if not records:
+        raise ValueError("no training data: set chat_datasets, or give the occlusion manifests with vqa_count > 0")
+    train, held = vd.split(records, config.eval_fraction, config.seed)
+    render = [(vd.render(r, model.tokenizer, model.image_token_id, model.num_image_tokens, config.max_length))
+              for r in train]
+    evaluation = [vd.render(r, model.tokenizer, model.image_token_id, model.num_image_tokens, config.max_length)
+                  for r in held]
+    if config.packing:
+        rows = [[render[i] for i in row] for row in vd.pack([len(s.ids) for s in render], config.pack_tokens)]
+    else:
+        rows = [[s] for s in render]
+    return rows, evaluation
+
+
+def deepspeed_config(config: VisualChatTrainConfig, world: int) -> dict:
+    cuda = torch.cuda.is_available()
+    return {"train_micro_batch_size_per_gpu": config.micro_batch_size,
+            "gradient_accumulation_steps": config.accumulation(world),
+            "gradient_clipping": config.grad_clip, "zero_optimization": {"stage": config.zero_stage},
+            "bf16": {"enabled": cuda},
+            # a torch optimizer: DeepSpeed's own Adam builds a C++ op on first use (~1 min on CPU)
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+
+
+class RowOrder:
+    """Which rows micro-batch ``n`` of rank ``r`` takes: a seeded permutation per pass over the data, the
+    micro-batches of one optimizer step spread over the ranks. The position (micro-batches taken per
+    rank) is all a resumed run needs to continue with the same rows."""
+
+    def __init__(self, num_rows: int, micro: int, world: int, rank: int, seed: int):
+        self.num_rows, self.micro, self.world, self.rank, self.seed = num_rows, micro, world, rank, seed
+
+    def rows(self, position: int) -> list[int]:
+        per_pass = max(self.num_rows // (self.micro * self.world), 1)
+        epoch, slot = divmod(position, per_pass)
+        order = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        start = (slot * self.world + self.rank) * self.micro
+        return [order[(start + i) % self.num_rows] for i in range(self.micro)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, required=True, help="a run file: VisualChatTrainConfig + RunPaths")
+    config, paths = read_run_file(parser.parse_args(argv).config, VisualChatTrainConfig)
+    rank = int(os.environ.get("RANK", 0))
+    with Reporter.open(rank, paths.mlflow_tracking_uri, paths.mlflow_run_id) as reporter:
+        train(config, paths, rank, reporter)
+
+
+def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: Reporter) -> None:
+    import deepspeed
+
+    cuda = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    world = dist.get_world_size()
+    model = build_model(config)
+    manifests = Path(paths.inputs["occlusion_manifests"]) if "occlusion_manifests" in paths.inputs else None
+    rows, evaluation = build_samples(config, model, manifests)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    reporter.log(f"visualchat: {len(rows)} train rows, {len(evaluation)} eval samples; trains "
+                 f"{', '.join(config.trained_modules())}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} "
+                 f"parameters; ZeRO-{config.zero_stage}, {world} process(es)")
+    pad, size = model.tokenizer.pad_token_id, model.encoder.image_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (config.warmup_steps + 1)))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                           model_parameters=params, config=deepspeed_config(config, world))
+    store = store_from_spec(paths.checkpoint_store)
+    cache = Path(paths.cache_dir) / f"rank{rank}"
+    committer = StoreCheckpointIO(store, paths.checkpoint_prefix, keep_last=2, log=reporter.log)
+    state = {"step": 0, "position": 0, "history": [], "baseline_eval_loss": None, "resumed_from_step": None}
+    found = latest_checkpoint(store, paths.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
+    if found is not None:
+        directory = found[1].parent
+        _, client = engine.load_checkpoint(str(directory))  # the tag its `latest` file names
+        state.update(client["visualchat"], resumed_from_step=client["visualchat"]["step"])
+        reporter.log(f"resumed at step {state['step']} from {found[0]}")
+    if state["baseline_eval_loss"] is None:
+        state["baseline_eval_loss"] = evaluate(engine, evaluation, pad, size)
+        reporter.log(f"eval loss before training (projection at init, LoRA zero): {state['baseline_eval_loss']:.4f}")
+    order = RowOrder(len(rows), config.micro_batch_size, world, rank, config.seed)
+    accumulation = config.accumulation(world)
+    loggers = reporter.loggers()
+    while state["step"] < config.max_steps:
+        losses = []
+        for _ in range(accumulation):
+            batch = vd.collate([rows[i] for i in order.rows(state["position"])], pad, size)
+            state["position"] += 1
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        step_loss = torch.stack(losses).mean()
+        dist.all_reduce(step_loss)
+        state["step"] += 1
+        state["history"].append({"step": state["step"], "loss": float(step_loss) / world})
+        if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
+            for logger in loggers:
+                logger.log_metrics({"train/loss": state["history"][-1]["loss"],
+                                    "train/lr": schedule.get_last_lr()[0]}, step=state["step"])
+        if state["step"] % config.checkpoint_every == 0 or state["step"] == config.max_steps:
+            save_checkpoint(engine, state, cache, committer, rank)
+    eval_loss = evaluate(engine, evaluation, pad, size)
+    export(engine, config, evaluation, rank, Path(paths.out_dir), reporter,
+           {"eval_loss": eval_loss, "baseline_eval_loss": state["baseline_eval_loss"], "steps": state["step"],
+            "train_loss": state["history"][-1]["loss"], "trainable_parameters": trainable,
+            "resumed_from_step": -1 if state["resumed_from_step"] is None else state["resumed_from_step"]},
+           state["history"])
+
+
+def save_checkpoint(engine, state: dict, cache: Path, committer: StoreCheckpointIO, rank: int) -> None:
+    """The engine's checkpoint (every rank writes its shards into one directory on this node), then
+    committed by rank 0 as ``<prefix>/step-<N>``. Multi-node runs need that directory on a shared volume."""
+    local = [str(cache / "staging")] if rank == 0 else [None]
+    dist.broadcast_object_list(local, src=0)
+    tag = f"step-{state['step']:08d}"
+    engine.save_checkpoint(str(Path(local[0]) / tag), tag=tag, client_state={"visualchat": dict(state)})
+    dist.barrier()
+    if rank == 0:
+        committer.commit(Path(local[0]) / tag, state["step"], 0)
+    dist.barrier()
+
+
+@torch.no_grad()
+def evaluate(engine, samples: list[vd.Sample], pad: int, size: int) -> float:
+    """Mean answer-token loss over the held-out samples (every rank the same, sharded or not)."""
+    engine.eval()
+    total, count = 0.0, 0
+    for at in range(0, len(samples), EVAL_BATCH):
+        chunk = samples[at: at + EVAL_BATCH]
+        batch = vd.collate([[s] for s in chunk], pad, size)
+        tokens = int((batch["labels"][:, 1:] != vd.IGNORE_INDEX).sum())
+        total += float(engine(**batch).loss) * tokens
+        count += tokens
+    engine.train()
+    return total / max(count, 1)
+
+
+def export(engine, config: VisualChatTrainConfig, evaluation: list[vd.Sample], rank: int, out: Path,
+           reporter: Reporter, metrics: dict, history: list[dict]) -> None:
+    """Gather every weight on rank 0, merge LoRA into a CPU replica, check it against the unmerged one,
+    and save the merged model."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        weights = {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()} if rank == 0 else None
+    if rank == 0:
+        replica = build_model(config)
+        replica.load_state_dict(weights)
+        replica.eval()
+        batch = vd.collate([[s] for s in evaluation[:EVAL_BATCH]], replica.tokenizer.pad_token_id, replica.encoder.image_size)
+        with torch.no_grad():
+            unmerged = replica(**batch).logits
+            replica.decoder = replica.decoder.merge_and_unload()
+            if config.lora_encoder:
+                replica.encoder = replica.encoder.merge_and_unload()
+            merged = replica(**batch).logits
+        staging = out / "model"
+        shutil.rmtree(staging, ignore_errors=True)
+        replica.save_pretrained(staging)
+        (out / "history.json").write_text(json.dumps({"train": history, **metrics}))
+        reporter.materialization({**metrics, "merge_max_abs_diff": float((merged - unmerged).abs().max())})
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""VisualChat training through the launcher: 2 processes on gloo with ZeRO-2 and ZeRO-3 train on real
+Fashion-MNIST images (the occlusion manifests as VQA and two-image conversations) and real CIFAR-10
+images (a chat-messages JSONL), merge LoRA (merged == unmerged within 1e-4), export, reload and answer;
+a SIGKILLed run resumes at the same global step on the same loss curve; bad input fails before
+training naming the file and line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlm_assets.data import visualchat_data as vd
+from vlm_assets.launch import LaunchSpec, run_local
+from vlm_assets.models.visualchat import VisualChatModel
+from vlm_assets.train.run_config import RunPaths, write_run_file
+from vlm_assets.train.visualchat_config import VisualChatTrainConfig
+from vlm_assets_tests.conftest import real_cifar_images
+from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
+
+CIFAR = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, offline_data) -> Path:
+    from vlm_assets.data.image_sources import load_fashion_mnist
+    from vlm_assets.data.occlusion import BoxBounds, write_occlusion_manifests
+
+    root = tmp_path_factory.mktemp("visualchat")
+    tiny_clip(root / "clip")
+    tiny_decoder(root / "llama", offline_data)
+    write_occlusion_manifests(load_fashion_mnist(offline_data / "fashion-mnist"), root / "manifests", num_train=40,
+                              num_validation=10, train_box=BoxBounds(0.2, 0.4), validation_box=BoxBounds(0.2, 0.4), seed=0)
+    files = sorted((offline_data / "cifar10-samples").glob("cifar10_*.png"))
+    with open(root / "cifar.jsonl", "w") as out:
+        for f in files:
+            out.write(json.dumps({"messages": [
+                {"role": "user", "content": [{"type": "image", "image": str(f)}, {"type": "text", "text": "What is shown?"}]},
+                {"role": "assistant", "content": CIFAR[int(f.stem.split("_")[2])]}]}) + "\n")
+    return root
+
+
+def config(inputs: Path, **overrides) -> VisualChatTrainConfig:
+    settings = dict(encoder_kind="clip", encoder=str(inputs / "clip"), decoder=str(inputs / "llama"), projection="mlp",
+                    max_steps=6, pair_count=12, chat_datasets={str(inputs / "cifar.jsonl"): 10}, micro_batch_size=2,
+                    global_batch_size=4, nproc_per_node=2, checkpoint_every=3, log_every=3, lr=3e-3, warmup_steps=2,
+                    max_length=256, timeout_s=600)
+    return VisualChatTrainConfig(**{**settings, **overrides})
+
+
+def run_file(inputs: Path, work: Path, cfg: VisualChatTrainConfig) -> Path:
+    paths = RunPaths(inputs={"occlusion_manifests": str(inputs / "manifests")}, out_dir=str(work / "out"),
+                     cache_dir=str(work / "cache"), checkpoint_store={"kind": "local", "root": str(work / "store")},
+                     checkpoint_prefix="checkpoints/visualchat")
+    write_run_file(work / "run.json", cfg, paths)
+    return work / "run.json"
+
+
+def train(inputs: Path, work: Path, cfg: VisualChatTrainConfig) -> dict:
+    lines: list[str] = []
+    spec = cfg.launch_spec("vlm_assets.train.visualchat_train", ("--config", str(run_file(inputs, work, cfg))),
+                           name="visualchat")
+    run_local(spec, on_line=lines.append)
+    reported = [json.loads(line.split("] ", 1)[1])["materialization"] for line in lines if '{"materialization"' in line]
+    assert len(reported) == 1, "\n".join(lines[-40:])
+    assert not [line for line in lines if "Warning" in line], [line for line in lines if "Warning" in line]
+    return {**reported[0], "history": json.loads((work / "out" / "history.json").read_text())["train"], "lines": lines}
+
+
+@pytest.fixture(scope="module")
+def zero2(inputs, tmp_path_factory) -> tuple[dict, Path]:
+    work = tmp_path_factory.mktemp("zero2")
+    return train(inputs, work, config(inputs)), work
+
+
+def answer(model: VisualChatModel, messages: list[dict], images: list[str]) -> str:
+    ids = vd.prompt_ids(messages, model.tokenizer, model.image_token_id, model.num_image_tokens)
+    pixels = torch.stack([vd.load_image(ref, model.encoder.image_size) for ref in images])
+    return model.tokenizer.decode(list(model.stream(ids, pixels, max_new_tokens=6)))
+
+
+def check_trained_and_exported(result: dict, out: Path, inputs: Path) -> None:
+    assert result["merge_max_abs_diff"] < 1e-4
+    assert result["eval_loss"] < result["baseline_eval_loss"], result
+    assert [h["step"] for h in result["history"]] == list(range(1, 7))
+    model = VisualChatModel.from_pretrained(out / "model")
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    images = [f"{inputs / 'manifests' / 'images' / 'validation.npy'}#{i}" for i in (0, 1)]
+    messages = [{"role": "user", "content": [{"type": "image", "image": images[0]}, {"type": "image", "image": images[1]},
+                                             {"type": "text", "text": "Which of these is a shirt?"}]}]
+    first = answer(model, messages, images)
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And the other one?"}]
+    second = answer(model, messages, images)
+    assert isinstance(first, str) and isinstance(second, str)
+
+
+@pytest.mark.slow
+def test_zero2_two_processes_train_merge_export_and_answer(zero2, inputs):
+    result, work = zero2
+    check_trained_and_exported(result, work / "out", inputs)
+    assert any("trains projection, lora: " in line for line in result["lines"])  # the trainable count is logged
+
+
+@pytest.mark.slow
+def test_zero3_with_packing_trains_merges_from_partitions_and_answers(inputs, tmp_path):
+    result = train(inputs, tmp_path, config(inputs, zero_stage=3, packing=True, pack_tokens=512))
+    check_trained_and_exported(result, tmp_path / "out", inputs)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_training_resumes_at_the_same_step_and_loss_curve(zero2, inputs, tmp_path):
+    """The launcher (and with it every worker: parent-death signals) is SIGKILLed once step 3 is
+    committed; the relaunch resumes at step 3 and ends on the uninterrupted run's curve."""
+    uninterrupted, _ = zero2
+    cfg = config(inputs)
+    run = run_file(inputs, tmp_path, cfg)
+    script = ("import sys; from vlm_assets.launch import LaunchSpec, run_local; "
+              f"run_local(LaunchSpec('vlm_assets.train.visualchat_train', ('--config', {str(run)!r}), nproc_per_node=2, "
+              "timeout_s=600))")
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    committed = tmp_path / "store" / "checkpoints" / "visualchat" / "step-00000003"
+    deadline = time.monotonic() + 300
+    while not committed.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert committed.exists() and proc.poll() is None, "step 3 was never committed while the run was alive"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "out" / "history.json").exists()
+    resumed = train(inputs, tmp_path, cfg)
+    assert resumed["resumed_from_step"] == 3 and resumed["steps"] == 6
+    assert [h["step"] for h in resumed["history"]] == list(range(1, 7))
+    torch.testing.assert_close(torch.tensor([h["loss"] for h in resumed["history"]]),
+                               torch.tensor([h["loss"] for h in uninterrupted["history"]]), rtol=1e-5, atol=1e-6)
+
+
+# -- bad input: before any training ----------------------------------------------------------------
+def _jsonl(tmp_path: Path, *records) -> Path:
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+@pytest.mark.parametrize("record, error", [
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "nope.png"}]},
+                   {"role": "assistant", "content": "x"}]}, "image file .*nope.png does not exist"),
+    ({"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "unknown role 'robot'"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+])
+def test_a_bad_chat_record_names_file_and_line(tmp_path, record, error):
+    path = _jsonl(tmp_path, GOOD, record)
+    with pytest.raises((ValueError, FileNotFoundError), match=f"{path}:2: {error}"):
+        vd.read_chat_jsonl(path, max_images=8)
+
+
+def test_more_images_than_max_images_names_file_and_line(tmp_path, offline_data):
+    image = str(sorted((offline_data / "cifar10-samples").glob("*.png"))[0])
+    record = {"messages": [{"role": "user", "content": [{"type": "image", "image": image}] * 3},
+                           {"role": "assistant", "content": "three"}]}
+    path = _jsonl(tmp_path, record)
+    with pytest.raises(ValueError, match=f"{path}:1: 3 images, more than max_images 2"):
+        vd.read_chat_jsonl(path, max_images=2)
+
+
+def test_more_tokens_than_max_length_fails_before_training(tmp_path, inputs):
+    path = _jsonl(tmp_path, GOOD, {"messages": [{"role": "user", "content": "word " * 300},
+                                                {"role": "assistant", "content": "ok"}]})
+    cfg = config(inputs, chat_datasets={str(path): None}, max_length=128)
+    from vlm_assets.train.visualchat_train import build_model, build_samples
+
+    with pytest.raises(ValueError, match=f"{path}:2: .* tokens .*more than max_length 128"):
+        build_samples(cfg, build_model(cfg), None)
+
+
+def test_a_zero_stage_other_than_2_or_3_is_refused_at_config_load(tmp_path, inputs):
+    from vlm_assets.train.run_config import read_run_file
+
+    run = run_file(inputs, tmp_path, config(inputs))
+    data = json.loads(run.read_text())
+    data["config"]["zero_stage"] = 1
+    run.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"{run}: field zero_stage: zero_stage 1 is not supported"):
+        read_run_file(run, VisualChatTrainConfig)
+
+
+def test_first_fit_packing_fills_rows_largest_first():
+    assert vd.pack([5, 3, 4, 2, 6], budget=8) == [[4, 3], [0, 1], [2]]
+    with pytest.raises(ValueError, match="more than the packing budget"):
+        vd.pack([9], budget=8)
+
+
+def test_the_template_learns_only_the_answers(inputs):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(inputs / "llama")
+    record = vd.manifest_records(inputs / "manifests", "train", pairs=1, seed=0)[-1]
+    sample = vd.render(record, tokenizer, image_token_id=50000, num_image_tokens=4, max_length=512)
+    learned = tokenizer.decode([t for t in sample.labels if t != vd.IGNORE_INDEX])
+    answers = [m["content"] for m in record.messages if m["role"] == "assistant"]
+    assert learned == "<|endoftext|>".join(answers) + "<|endoftext|>"
+    assert sample.ids.count(50000) == 8 and "### Image 2:" in tokenizer.decode(sample.ids)
