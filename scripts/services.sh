@@ -46,7 +46,9 @@ fi
 source "$repo/scripts/bootstrap.sh" >/dev/null
 if [ -z "$(pg_bin)" ]; then
   echo "== installing Postgres (Debian's postgresql package)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null
+  # a fresh machine may have empty or stale package lists: refresh them once if the install fails
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null \
+    || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null; }
 fi
 PG="$(pg_bin)"
 if [ "$(id -u)" = 0 ] && ! runuser -u postgres -- test -x "$dir"; then
