@@ -207,3 +207,56 @@ def test_the_template_learns_only_the_answers(inputs):
     answers = [m["content"] for m in record.messages if m["role"] == "assistant"]
     assert learned == "<|endoftext|>".join(answers) + "<|endoftext|>"
     assert sample.ids.count(50000) == 8 and "### Image 2:" in tokenizer.decode(sample.ids)
+
+
+class Terminal:
+    """A program on a pseudo-terminal: type lines, read the screen until a marker shows."""
+
+    def __init__(self, argv: list[str]):
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the program, its stdin/stdout the terminal
+            os.execvpe(argv[0], argv, os.environ)
+        self.screen = ""
+
+    def read_until(self, marker: str, count: int = 1, timeout: float = 120) -> str:
+        import select
+
+        deadline = time.monotonic() + timeout
+        while self.screen.count(marker) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {marker!r} (x{count}) on the terminal after {timeout} s:\n{self.screen[-2000:]}")
+            if select.select([self.fd], [], [], 0.5)[0]:
+                self.screen += os.read(self.fd, 4096).decode(errors="replace")
+        return self.screen
+
+    def type(self, line: str) -> None:
+        os.write(self.fd, (line + "\n").encode())
+
+    def exit_code(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+
+def test_the_chat_cli_answers_a_two_image_two_round_conversation_in_a_terminal(zero2, offline_data):
+    _, work = zero2
+    cat, ship = (offline_data / "cifar10-samples" / name for name in ("cifar10_00_3.png", "cifar10_01_8.png"))
+    term = Terminal([sys.executable, "-m", "vlm_assets.chat", str(work / "out" / "model"), "--max-new-tokens", "4"])
+    term.read_until("you> ")
+    term.type(f"/image {cat}")
+    term.read_until("(image 1 attached: cifar10_00_3.png)")
+    term.type(f"/image {ship}")
+    term.read_until("(image 2 attached: cifar10_01_8.png)")
+    term.type("/image /no/such.png")
+    term.read_until("(no image file /no/such.png)")
+    term.type("Which of these is a ship?")
+    term.read_until("visualchat> ")
+    term.read_until("you> ", count=5)  # the answer streamed, then the next prompt
+    term.type("And the other one?")
+    term.read_until("visualchat> ", count=2)
+    screen = term.read_until("you> ", count=6)
+    term.type("/quit")
+    assert term.exit_code() == 0
+    answers = [part.split("\r\n", 1)[0] for part in screen.split("visualchat> ")[1:]]
+    assert len(answers) == 2, screen
