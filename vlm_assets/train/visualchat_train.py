@@ -44,10 +44,14 @@ def build_model(config: VisualChatTrainConfig) -> VisualChatModel:
     ``requires_grad`` set by ``freeze_modules``. Deterministic in ``config.seed``."""
     from peft import LoraConfig, get_peft_model
 
+    from transformers.pytorch_utils import Conv1D
+
     torch.manual_seed(config.seed)
     model = VisualChatModel.build(config)
+    # GPT-2 stores its linear layers as Conv1D, (in, out): peft must be told (it warns and guesses otherwise).
+    transposed = any(isinstance(m, Conv1D) for m in model.decoder.modules())
     lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules="all-linear")
+                      target_modules="all-linear", fan_in_fan_out=transposed)
     model.decoder = get_peft_model(model.decoder, lora)
     if config.lora_encoder:
         model.encoder = get_peft_model(model.encoder, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha,
@@ -72,10 +76,17 @@ def build_samples(config: VisualChatTrainConfig, model: VisualChatModel, manifes
     if not records:
         raise ValueError("no training data: set chat_datasets, or give the occlusion manifests with vqa_count > 0")
     train, held = vd.split(records, config.eval_fraction, config.seed)
-    render = [(vd.render(r, model.tokenizer, model.image_token_id, model.num_image_tokens, config.max_length))
-              for r in train]
-    evaluation = [vd.render(r, model.tokenizer, model.image_token_id, model.num_image_tokens, config.max_length)
-                  for r in held]
+    limit = config.max_length
+    positions = getattr(model.decoder.config, "max_position_embeddings", None) or getattr(model.decoder.config, "n_positions", None)
+    if positions is not None and positions < limit:
+        limit = positions  # a learned position table (GPT-2) ends there: a longer sample cannot be embedded
+    try:
+        render = [vd.render(r, model.tokenizer, model.image_token_id, model.num_image_tokens, limit) for r in train]
+        evaluation = [vd.render(r, model.tokenizer, model.image_token_id, model.num_image_tokens, limit) for r in held]
+    except ValueError as err:
+        if limit == config.max_length:
+            raise
+        raise ValueError(f"{err} (the decoder {config.decoder} has {positions} positions)") from None
     if config.packing:
         rows = [[render[i] for i in row] for row in vd.pack([len(s.ids) for s in render], config.pack_tokens)]
     else:

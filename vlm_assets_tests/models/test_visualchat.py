@@ -176,3 +176,20 @@ def test_a_decoder_directory_that_does_not_load_names_the_path(tmp_path):
         with pytest.raises((FileNotFoundError, ValueError), match=error) as info:
             VisualChatModel.build(VisualChatModelConfig(decoder=str(path)))
         assert str(path) in str(info.value)
+
+
+def test_the_qwen2_5_vl_visual_tower_encodes_saves_and_reloads(tmp_path):
+    from vlm_assets.models.tiny_qwen import build_tiny_qwen
+    from vlm_assets.models.vision_encoders import QwenVisualEncoder, load_encoder
+
+    qwen = build_tiny_qwen(tmp_path / "qwen", ["a cat", "a ship"])
+    encoder = QwenVisualEncoder(str(qwen), image_size=56).eval()
+    pixels = torch.rand(2, 3, 56, 56)
+    with torch.no_grad():
+        features = encoder(pixels)
+    assert features.shape == (2, encoder.num_tokens, encoder.hidden_size) == (2, 4, encoder.hidden_size)
+    encoder.save(tmp_path / "saved")
+    with torch.no_grad():
+        torch.testing.assert_close(load_encoder("qwen2_5_vl", tmp_path / "saved").eval()(pixels), features)
+    with pytest.raises(ValueError, match="multiple of 28"):
+        QwenVisualEncoder(str(qwen), image_size=50)

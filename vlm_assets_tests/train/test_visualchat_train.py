@@ -260,3 +260,14 @@ def test_the_chat_cli_answers_a_two_image_two_round_conversation_in_a_terminal(z
     assert term.exit_code() == 0
     answers = [part.split("\r\n", 1)[0] for part in screen.split("visualchat> ")[1:]]
     assert len(answers) == 2, screen
+
+
+def test_a_sample_longer_than_the_decoders_positions_fails_naming_them(tmp_path, inputs, offline_data):
+    gpt2 = tiny_decoder(tmp_path / "gpt2", offline_data, "gpt2")
+    path = _jsonl(tmp_path, GOOD, {"messages": [{"role": "user", "content": "word " * 1100},
+                                                {"role": "assistant", "content": "ok"}]})
+    cfg = config(inputs, decoder=str(gpt2), chat_datasets={str(path): None}, max_length=4096)
+    from vlm_assets.train.visualchat_train import build_model, build_samples
+
+    with pytest.raises(ValueError, match=f"{path}:2: .*more than max_length 1024 \\(the decoder .* has 1024 positions\\)"):
+        build_samples(cfg, build_model(cfg), None)
