@@ -24,3 +24,6 @@ export PATH="$venv/bin:$PATH"
 export VLM_ASSETS_CACHE="${VLM_ASSETS_CACHE:-$HOME/.cache/vlm_assets}"
 PYTHON="$venv/bin/python" "$repo/scripts/fetch-offline-data.sh"
 export MLFLOW_DISABLE_TELEMETRY=true HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TORCH_EXTENSIONS_DIR="$VLM_ASSETS_CACHE/torch_extensions"
+# DeepSpeed (imported by transformers and peft when installed) warns at every import when it probes
+# for an accelerator and finds none: on a machine without NVIDIA's driver, name the CPU.
+command -v nvidia-smi >/dev/null || export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -165,6 +166,7 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
     order = RowOrder(len(rows), config.micro_batch_size, world, rank, config.seed)
     accumulation = config.accumulation(world)
     loggers = reporter.loggers()
+    started, start_step, tokens = time.perf_counter(), state["step"], torch.zeros(())
     while state["step"] < config.max_steps:
         losses = []
         for _ in range(accumulation):
@@ -174,6 +176,7 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach())
+            tokens += int((batch["segments"] > 0).sum())
         step_loss = torch.stack(losses).mean()
         dist.all_reduce(step_loss)
         state["step"] += 1
@@ -184,9 +187,12 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
                                     "train/lr": schedule.get_last_lr()[0]}, step=state["step"])
         if state["step"] % config.checkpoint_every == 0 or state["step"] == config.max_steps:
             save_checkpoint(engine, state, cache, committer, rank)
+    elapsed = time.perf_counter() - started
+    dist.all_reduce(tokens)  # tokens that are not padding, over every rank, in this attempt's steps
     eval_loss = evaluate(engine, evaluation, pad, size)
     export(engine, config, evaluation, rank, Path(paths.out_dir), reporter,
            {"eval_loss": eval_loss, "baseline_eval_loss": state["baseline_eval_loss"], "steps": state["step"],
+            "tokens_per_s": float(tokens) / elapsed if state["step"] > start_step else 0.0,
             "train_loss": state["history"][-1]["loss"], "trainable_parameters": trainable,
             "resumed_from_step": -1 if state["resumed_from_step"] is None else state["resumed_from_step"]},
            state["history"])

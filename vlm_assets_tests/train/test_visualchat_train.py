@@ -78,25 +78,20 @@ def zero2(inputs, tmp_path_factory) -> tuple[dict, Path]:
     return train(inputs, work, config(inputs)), work
 
 
-def answer(model: VisualChatModel, messages: list[dict], images: list[str]) -> str:
-    ids = vd.prompt_ids(messages, model.tokenizer, model.image_token_id, model.num_image_tokens)
-    pixels = torch.stack([vd.load_image(ref, model.encoder.image_size) for ref in images])
-    return model.tokenizer.decode(list(model.stream(ids, pixels, max_new_tokens=6)))
-
-
 def check_trained_and_exported(result: dict, out: Path, inputs: Path) -> None:
+    from vlm_assets.evaluate.visualchat_eval import two_image_conversation, vqa_exact_match
+
     assert result["merge_max_abs_diff"] < 1e-4
     assert result["eval_loss"] < result["baseline_eval_loss"], result
+    assert result["tokens_per_s"] > 0
     assert [h["step"] for h in result["history"]] == list(range(1, 7))
     model = VisualChatModel.from_pretrained(out / "model")
     assert not any("lora" in name for name, _ in model.named_parameters())
-    images = [f"{inputs / 'manifests' / 'images' / 'validation.npy'}#{i}" for i in (0, 1)]
-    messages = [{"role": "user", "content": [{"type": "image", "image": images[0]}, {"type": "image", "image": images[1]},
-                                             {"type": "text", "text": "Which of these is a shirt?"}]}]
-    first = answer(model, messages, images)
-    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And the other one?"}]
-    second = answer(model, messages, images)
-    assert isinstance(first, str) and isinstance(second, str)
+    vqa = vqa_exact_match(model, inputs / "manifests", "validation", count=4)
+    assert vqa["num_images"] == 4 and vqa["chance"] == 0.1 and 0 <= vqa["exact_match"] <= 1
+    conversation = two_image_conversation(model, inputs / "manifests")
+    assert [m["role"] for m in conversation] == ["user", "assistant", "user", "assistant"]
+    assert all(isinstance(m["content"], str) for m in conversation[1::2])
 
 
 @pytest.mark.slow
