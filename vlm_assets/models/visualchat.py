@@ -157,9 +157,14 @@ class VisualChatModel(nn.Module):
             segments = torch.ones_like(input_ids)
         if position_ids is None:
             position_ids = positions_from_segments(segments)
-        layout = Layout(segments, input_ids == self.image_token_id, self.mmca)
-        with attention_layout(layout):
+        with attention_layout(self.layout(input_ids, segments)):
             return self.decoder(inputs_embeds=self.embed(input_ids, pixels), position_ids=position_ids, labels=labels)
+
+    def layout(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> Layout:
+        """The attention layout of a batch. A training step with gradient checkpointing holds it around
+        backward too (``attention_layout``): the recomputed forward runs there."""
+        return Layout(torch.ones_like(input_ids) if segments is None else segments, input_ids == self.image_token_id,
+                      self.mmca)
 
     @torch.no_grad()
     def stream(self, input_ids: list[int], pixels: torch.Tensor | None, *, max_new_tokens: int = 64,

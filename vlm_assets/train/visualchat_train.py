@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from vlm_assets.data import visualchat_data as vd
 from vlm_assets.models.visualchat import VisualChatModel
+from vlm_assets.models.visualchat_attention import attention_layout
 from vlm_assets.storage import store_from_spec
 from vlm_assets.train.checkpoints import StoreCheckpointIO, latest_checkpoint
 from vlm_assets.train.reporting import Reporter
@@ -172,8 +173,9 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
         for _ in range(accumulation):
             batch = vd.collate([rows[i] for i in order.rows(state["position"])], pad, size)
             state["position"] += 1
-            loss = engine(**batch).loss
-            engine.backward(loss)
+            with attention_layout(model.layout(batch["input_ids"], batch["segments"])):  # backward recomputes
+                loss = engine(**batch).loss
+                engine.backward(loss)
             engine.step()
             losses.append(loss.detach())
             tokens += int((batch["segments"] > 0).sum())

@@ -193,3 +193,26 @@ def test_the_qwen2_5_vl_visual_tower_encodes_saves_and_reloads(tmp_path):
         torch.testing.assert_close(load_encoder("qwen2_5_vl", tmp_path / "saved").eval()(pixels), features)
     with pytest.raises(ValueError, match="multiple of 28"):
         QwenVisualEncoder(str(qwen), image_size=50)
+
+
+def test_gradient_checkpointing_recomputes_with_the_same_layout(clip_model):
+    """Packed MMCA batch: gradients with the decoder's activations recomputed in backward (the layout
+    held around backward, as the trainer does) equal those without."""
+    from vlm_assets.models.visualchat_attention import attention_layout
+
+    a, b = _sample(clip_model, 2, "Which of these is a cat?", "the first"), _sample(clip_model, 1, "What is shown?", "a ship")
+    ids, labels = torch.tensor([a[0] + b[0]]), torch.tensor([a[1] + b[1]])
+    segments = torch.tensor([[1] * len(a[0]) + [2] * len(b[0])])
+    pixels = torch.rand(3, 3, 32, 32)
+    grads = []
+    clip_model.train()
+    for checkpointing in (False, True):
+        if checkpointing:
+            clip_model.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        clip_model.zero_grad()
+        with attention_layout(clip_model.layout(ids, segments)):
+            clip_model(ids, pixels, labels=labels, segments=segments).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in clip_model.decoder.parameters() if p.grad is not None]))
+    clip_model.decoder.gradient_checkpointing_disable()
+    clip_model.eval()
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)

@@ -102,8 +102,8 @@ def test_zero2_two_processes_train_merge_export_and_answer(zero2, inputs):
 
 
 @pytest.mark.slow
-def test_zero3_with_packing_trains_merges_from_partitions_and_answers(inputs, tmp_path):
-    result = train(inputs, tmp_path, config(inputs, zero_stage=3, packing=True, pack_tokens=512))
+def test_zero3_with_packing_and_checkpointing_trains_merges_from_partitions_and_answers(inputs, tmp_path):
+    result = train(inputs, tmp_path, config(inputs, zero_stage=3, packing=True, pack_tokens=512, gradient_checkpointing=True))
     check_trained_and_exported(result, tmp_path / "out", inputs)
 
 
