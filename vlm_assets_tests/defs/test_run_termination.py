@@ -166,3 +166,11 @@ def test_a_sigkilled_run_worker_ends_its_workers_and_the_run_fails(dev):
     assert status == "FAILURE"
     # The step's MLflow run, which no code of the killed step could end, is ended by the sensor.
     _wait(lambda: dev.mlflow_statuses(run_id) == ["KILLED"], 90, "the MLflow run to be ended KILLED")
+    with dg.DagsterInstance.from_config(str(dev.dagster_home)) as instance:
+        reports = instance.get_records_for_run(run_id, of_type={
+            dg.DagsterEventType.STEP_FAILURE, dg.DagsterEventType.STEP_UP_FOR_RETRY,
+            dg.DagsterEventType.STEP_SUCCESS}).records
+        reports = [r for r in reports if r.event_log_entry.step_key == "gpt_checkpoint"]
+    # The step process died with the run worker: a step that lived on would report its launch
+    # failing once its pods were deleted (and end the MLflow run FAILED over the sensor's KILLED).
+    assert not reports, [r.event_log_entry.dagster_event.event_type_value for r in reports]

@@ -91,11 +91,7 @@ class LocalTorchrunLauncher(TrainingLauncher):
 
     def launch(self, context: dg.AssetExecutionContext, spec: LaunchSpec,
                extras: dict[str, Any] | None = None) -> list[dg.MaterializeResult]:
-        if multiprocessing.parent_process() is not None:
-            # The step runs in a child of the run's orchestrator (Dagster's multiprocess executor),
-            # which nothing ends when the orchestrator is SIGKILLed: the kernel ends it then, and its
-            # death ends the agents and workers (``vlm_assets.launch.lifeline``).
-            die_with_parent()
+        _die_with_orchestrator()
         # Dagster's own session code calls its preview `expected_writer_count`: the warning is about
         # Dagster's internals, not this launch, and would read as trouble in every run log.
         with _without(dg.PreviewWarning), dg.open_pipes_session(
@@ -104,6 +100,14 @@ class LocalTorchrunLauncher(TrainingLauncher):
         ) as session, _as_step_failure():
             run_local(spec, on_line=context.log.info, env={**self.env, **session.get_bootstrap_env_vars()})
         return [r for r in session.get_results() if isinstance(r, dg.MaterializeResult)]
+
+
+def _die_with_orchestrator() -> None:
+    """A step running in a child of the run's orchestrator (Dagster's multiprocess executor) is ended
+    by nothing when the orchestrator is SIGKILLed: the kernel ends it then (``vlm_assets.launch.lifeline``),
+    and with it the local agents and workers; a step that lived on would keep following its pods."""
+    if multiprocessing.parent_process() is not None:
+        die_with_parent()
 
 
 def _run_is_live(instance: dg.DagsterInstance, run_id: str) -> bool:
@@ -136,6 +140,7 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
 
         from vlm_assets.launch.k8s import api_client, delete_orphans, run_k8s
 
+        _die_with_orchestrator()  # then the run failure sensor deletes the pods it leaves
         settings = self.settings()
         api = api_client(settings)
         # Pods of runs whose step was killed before it could delete them (Dagster marks such runs
