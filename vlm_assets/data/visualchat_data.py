@@ -30,9 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlm_assets.models.frozen_vlm import IGNORE_INDEX
+
 DEFAULT_SYSTEM = "You are a helpful assistant that answers questions about images."
 ROLES = ("system", "user", "assistant")
-IGNORE_INDEX = -100
 
 
 @dataclasses.dataclass(frozen=True)

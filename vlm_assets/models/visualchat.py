@@ -29,7 +29,6 @@ from vlm_assets.models.vision_encoders import EncoderKind, VisionEncoder, build_
 from vlm_assets.models.visualchat_attention import Layout, attention_layout
 
 IMAGE_TOKEN = "<image>"
-IGNORE_INDEX = -100
 SPEC_FILE = "visualchat.json"
 
 
