@@ -157,19 +157,16 @@ def _text(content) -> str:
 
 
 # -- the occlusion manifests as chat data ------------------------------------------------------------
-VQA_QUESTION = "What is shown?"
-
-
 def manifest_records(root: Path, split: str, *, pairs: int = 0, seed: int = 0) -> list[ChatRecord]:
-    """Each clean image as VQA ("What is shown?" -> class name), then ``pairs`` two-image, two-round
-    conversations ("Which of these is a <class>?" -> "Image N", then "And the other one?" -> its class)."""
+    """Each clean image as VQA (the manifest row's own prompt, the question the occlusion adapter's
+    backbone is asked, -> class name), then ``pairs`` two-image, two-round conversations ("Which of these is a <class>?" -> "Image N", then "And the other one?" -> its class)."""
     images = root / "images" / f"{split}.npy"
     rows = [json.loads(line) for line in (root / f"{split}.jsonl").read_text().splitlines()]
     records = []
     for line_no, row in enumerate(rows, 1):
         ref = f"{images}#{row['index']}"
         records.append(ChatRecord([
-            {"role": "user", "content": [{"type": "image", "image": ref}, {"type": "text", "text": VQA_QUESTION}]},
+            {"role": "user", "content": [{"type": "image", "image": ref}, {"type": "text", "text": row["prompt"]}]},
             {"role": "assistant", "content": row["label"]}], [ref], f"{root / split}.jsonl:{line_no}"))
     rng = random.Random(seed)
     by_class: dict[str, list[int]] = {}
@@ -255,6 +252,13 @@ def load_image(ref: str, size: int) -> torch.Tensor:
             image = Image.fromarray(np.asarray(array[int(index)]).squeeze())
         else:
             image = Image.open(path)
+    return to_pixels(image, size)
+
+
+def to_pixels(image, size: int) -> torch.Tensor:
+    """A PIL image as (3, size, size) float pixels in [0, 1] (RGB, bicubic resize)."""
+    from PIL import Image
+
     image = image.convert("RGB").resize((size, size), Image.BICUBIC)
     return torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255
 

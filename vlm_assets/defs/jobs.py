@@ -17,12 +17,16 @@ def jobs() -> dg.Definitions:
         # only add ~3 s of imports each on a small machine.
         executor_def=dg.in_process_executor,
     )
-    # A trainer and the data it reads, e.g. `dagster job execute -j gpt_job`. Dagster's default
-    # executor: multiprocess unless the run config says `execution: {config: {in_process: {}}}`.
+    # A trainer and the data it reads, e.g. `dagster job execute -j gpt_job`; a model it builds on
+    # (`backbone: visualchat`, `decoder: gpt_checkpoint`) is read from its latest materialization.
+    # Dagster's default executor: multiprocess unless the run config says
+    # `execution: {config: {in_process: {}}}`.
     trainer_jobs = [
-        dg.define_asset_job(f"{name}_job", selection=dg.AssetSelection.assets(asset).upstream(),
+        dg.define_asset_job(f"{name}_job", selection=dg.AssetSelection.assets(asset, data),
                             description=f"Materializes {asset} and the data it trains on.")
-        for name, asset in (("gpt", "gpt_checkpoint"), ("adapter", "occlusion_adapter"))
+        for name, asset, data in (("gpt", "gpt_checkpoint", "token_shards"),
+                                  ("adapter", "occlusion_adapter", "occlusion_manifests"),
+                                  ("visualchat", "visualchat_model", "occlusion_manifests"))
     ]
     main_schedule = dg.ScheduleDefinition(
         name="main_schedule", job=main_job, cron_schedule=schedule_cron(),

@@ -1,5 +1,5 @@
-"""VisualChat evaluation on the occlusion manifests' clean images: VQA exact match ("What is shown?" ->
-class name, greedy) and a multi-round, two-image conversation transcript."""
+"""VisualChat evaluation on the occlusion manifests' clean images: VQA exact match (the manifest's
+prompt -> class name, greedy) and a multi-round, two-image conversation transcript."""
 
 import json
 from pathlib import Path
@@ -13,14 +13,12 @@ from vlm_assets.models.visualchat import VisualChatModel
 
 def answer(model: VisualChatModel, messages: list[dict], images: list[str], max_new_tokens: int = 8) -> str:
     """The model's greedy reply to a conversation whose image parts reference ``images``, in order."""
-    ids = vd.prompt_ids(messages, model.tokenizer, model.image_token_id, model.num_image_tokens)
     pixels = torch.stack([vd.load_image(ref, model.encoder.image_size) for ref in images]) if images else None
-    return model.tokenizer.decode(list(model.stream(ids, pixels, max_new_tokens=max_new_tokens)),
-                                  skip_special_tokens=True).strip()
+    return model.reply(messages, pixels, max_new_tokens)
 
 
 def vqa_exact_match(model: VisualChatModel, manifests: Path, split: str, count: int | None = None) -> dict:
-    """Exact match (normalised as the adapter's eval does) of the answers to "What is shown?" on the
+    """Exact match (normalised as the adapter's eval does) of the answers to the manifest's prompt on the
     first ``count`` images of ``split``, with the predictions."""
     records = [r for r in vd.manifest_records(manifests, split) if len(r.images) == 1][:count]
     predictions = []

@@ -24,13 +24,13 @@ class OcclusionAdapterPredictor(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         from safetensors.torch import load_file
 
-        from vlm_assets.models.frozen_vlm import QwenVLBackbone
+        from vlm_assets.models.frozen_vlm import load_backbone
         from vlm_assets.models.occlusion_adapter import OcclusionAdapter
 
         with open(context.artifacts["backbone"]) as f:
             info = json.load(f)
         self.prompt, self.image_size = info["prompt"], info["image_size"]
-        self.backbone = QwenVLBackbone(info["backbone"], max_length=info["max_length"])
+        self.backbone = load_backbone(info["backbone"], max_length=info["max_length"])
         self.adapter = OcclusionAdapter()
         self.adapter.load_state_dict(load_file(context.artifacts["adapter"]))
         self.adapter.eval()

@@ -1,9 +1,13 @@
 """A frozen vision-language backbone behind a small interface: images + prompts -> loss / answers.
 
-``QwenVLBackbone`` wraps ``Qwen2_5_VLForConditionalGeneration`` (hub id or local directory). Images
-arrive as dense (B, 3, H, W) pixels in [0, 1] (an adapter's output); they are normalized with the
-image processor's mean/std and packed into Qwen's patch rows in torch, so gradients reach the adapter.
-Another backbone plugs in by implementing ``FrozenVLM``.
+Images arrive as dense (B, 3, H, W) pixels in [0, 1] (an adapter's output) and stay in torch, so
+gradients reach the adapter. Two backbones, chosen by ``load_backbone``:
+
+- ``QwenVLBackbone`` wraps ``Qwen2_5_VLForConditionalGeneration`` (hub id or local directory): pixels
+  normalized with the image processor's mean/std and packed into Qwen's patch rows;
+- ``VisualChatBackbone`` wraps a merged VisualChat model (a directory with ``visualchat.json``, the
+  ``visualchat_model`` asset's ``model/``): pixels resized to its encoder's input size, the prompt asked
+  as a one-image user turn of its chat template.
 """
 
 import re
@@ -112,6 +116,68 @@ class QwenVLBackbone(FrozenVLM):
         return self.tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
 
 
+class VisualChatBackbone(FrozenVLM):
+    def __init__(self, directory: str, *, max_length: int = 512, dtype: torch.dtype = torch.float32,
+                 gradient_checkpointing: bool = False):
+        super().__init__()
+        from vlm_assets.models.visualchat import VisualChatModel
+
+        if gradient_checkpointing:
+            # The recomputed forward runs in the adapter trainer's backward, outside the attention
+            # layout that the forward holds (visualchat_attention): it would attend differently.
+            raise ValueError("gradient_checkpointing is not supported with a VisualChat backbone")
+        self.model = VisualChatModel.from_pretrained(directory).to(dtype)
+        self.model.requires_grad_(False)
+        self.max_length, self.dtype = max_length, dtype
+        self.tokenizer = self.model.tokenizer
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.model.eval()  # frozen: eval mode even while the adapter trains
+        return self
+
+    def _pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        size = self.model.encoder.image_size
+        if pixels.shape[-2:] != (size, size):  # bicubic, as the trainer's images are resized (PIL)
+            pixels = nn.functional.interpolate(pixels, size=(size, size), mode="bicubic", align_corners=False).clamp(0, 1)
+        return pixels.to(self.dtype)
+
+    def loss(self, pixels, prompts, answers):
+        from vlm_assets.data import visualchat_data as vd
+
+        if pixels.shape[0] != len(prompts) or len(answers) != len(prompts):
+            raise ValueError(f"{pixels.shape[0]} images, {len(prompts)} prompts, {len(answers)} answers")
+        samples = [vd.render(vd.ChatRecord(one_image_turn(p, a), [], f"sample {i}"), self.tokenizer,
+                             self.model.image_token_id, self.model.num_image_tokens, self.max_length)
+                   for i, (p, a) in enumerate(zip(prompts, answers))]
+        batch = vd.collate([[s] for s in samples], self.tokenizer.pad_token_id, self.model.encoder.image_size)
+        device = pixels.device
+        return self.model(input_ids=batch["input_ids"].to(device), pixels=self._pixels(pixels),
+                          labels=batch["labels"].to(device), segments=batch["segments"].to(device),
+                          position_ids=batch["position_ids"].to(device)).loss
+
+    @torch.no_grad()
+    def generate(self, pixels, prompts, max_new_tokens=8):
+        pixels = self._pixels(pixels)
+        return [self.model.reply(one_image_turn(prompt, None), pixels[i:i + 1], max_new_tokens)
+                for i, prompt in enumerate(prompts)]
+
+
+def one_image_turn(prompt: str, answer: str | None) -> list[dict]:
+    """A question about one image (the pixels given beside it), and its answer when known."""
+    messages = [{"role": "user", "content": [{"type": "image", "image": ""}, {"type": "text", "text": prompt}]}]
+    return messages + ([{"role": "assistant", "content": answer}] if answer is not None else [])
+
+
+def is_visualchat(name_or_path: str) -> bool:
+    return (Path(name_or_path).expanduser() / "visualchat.json").is_file()
+
+
+def load_backbone(name_or_path: str, **settings) -> FrozenVLM:
+    """The frozen backbone at ``name_or_path``: a VisualChat model directory or a Qwen2.5-VL."""
+    return (VisualChatBackbone if is_visualchat(name_or_path) else QwenVLBackbone)(name_or_path, **settings)
+
+
 def prompt_ids(tokenizer, prompt: str, image_tokens: int) -> list[int]:
     """The user turn (image placeholders + prompt) and the assistant header, in Qwen's chat format."""
     text = (f"<|im_start|>user\n<|vision_start|>{'<|image_pad|>' * image_tokens}<|vision_end|>{prompt}"
@@ -123,15 +189,38 @@ def check_prompt_lengths(backbone: str, rows: list[dict], image_size: int, max_l
     """Before any training: every row's prompt + answer fits ``max_length`` (tokenizer only, no weights)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(backbone)
-    image_tokens = (image_size // PATCH) ** 2 // (MERGE * MERGE)
     first_line = {}
     for line, row in enumerate(rows, 1):
         first_line.setdefault((row["prompt"], row["label"]), line)
+    if is_visualchat(backbone):
+        _check_visualchat_lengths(Path(backbone).expanduser(), first_line, max_length, where)
+        return
+    tokenizer = AutoTokenizer.from_pretrained(backbone)
+    image_tokens = (image_size // PATCH) ** 2 // (MERGE * MERGE)
     for (prompt, label), line in first_line.items():  # prompts repeat: tokenize each distinct pair once
-        row = {"prompt": prompt, "label": label}
-        count = len(prompt_ids(tokenizer, row["prompt"], image_tokens)) + len(
-            tokenizer(f"{row['label']}<|im_end|>", add_special_tokens=False)["input_ids"])
+        count = len(prompt_ids(tokenizer, prompt, image_tokens)) + len(
+            tokenizer(f"{label}<|im_end|>", add_special_tokens=False)["input_ids"])
         if count > max_length:
             raise ValueError(f"{where}:{line}: prompt + answer is {count} tokens ({image_tokens} image tokens), "
                              f"longer than max_length {max_length}")
+
+
+def _check_visualchat_lengths(directory: Path, first_line: dict, max_length: int, where: str) -> None:
+    import json
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from vlm_assets.data import visualchat_data as vd
+
+    from vlm_assets.models.visualchat import decoder_positions
+
+    spec = json.loads((directory / "visualchat.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(directory / "decoder")
+    positions = decoder_positions(AutoConfig.from_pretrained(directory / "decoder"))
+    limit = min(max_length, positions or max_length)
+    for (prompt, label), line in first_line.items():
+        try:
+            vd.render(vd.ChatRecord(one_image_turn(prompt, label), [], f"{where}:{line}"), tokenizer,
+                      spec["image_token_id"], spec["num_image_tokens"], limit)
+        except ValueError as err:
+            raise ValueError(f"{err}" + (f" (the decoder has {positions} positions)" if limit < max_length else "")) from None

@@ -24,6 +24,7 @@ import torch.nn as nn
 from pydantic import BaseModel, ConfigDict, Field
 
 from vlm_assets.models import visualchat_attention
+from vlm_assets.models.frozen_vlm import IGNORE_INDEX
 from vlm_assets.models.projections import ProjectionKind, build_projection, tokens_out
 from vlm_assets.models.vision_encoders import EncoderKind, VisionEncoder, build_encoder, load_encoder
 from vlm_assets.models.visualchat_attention import Layout, attention_layout
@@ -60,6 +61,23 @@ class VisualChatModel(nn.Module):
         self.image_token_id: int = spec["image_token_id"]
         self.num_image_tokens: int = spec["num_image_tokens"]
         self.mmca: bool = spec["mmca"]
+        self._feature_cache: dict[bytes, torch.Tensor] | None = None
+
+    def train(self, mode: bool = True) -> "VisualChatModel":
+        super().train(mode)
+        if not self._encoder_trains():
+            self.encoder.eval()  # frozen: fixed batch-norm statistics and no dropout, in training too
+        return self
+
+    def _encoder_trains(self) -> bool:
+        return any(p.requires_grad for p in self.encoder.parameters())
+
+    def cache_image_features(self) -> None:
+        """Keep each image's encoder features after computing them once (the encoder must be frozen):
+        a frozen encoder gives the same features every epoch, and on a CPU it is most of a step."""
+        if self._encoder_trains():
+            raise ValueError("image features can only be cached for a frozen encoder (freeze_modules: encoder)")
+        self._feature_cache = {}
 
     # -- building and loading ------------------------------------------------------------------------
     @classmethod
@@ -131,7 +149,20 @@ class VisualChatModel(nn.Module):
     # -- forward -------------------------------------------------------------------------------------
     def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """(N, 3, S, S) pixels in [0, 1] -> (N, num_image_tokens, decoder width)."""
-        return self.projection(self.encoder(pixels))
+        if self._feature_cache is None:
+            return self.projection(self.encoder(pixels))
+        import hashlib
+
+        cache = self._feature_cache
+        keys = [hashlib.blake2b(p.detach().cpu().numpy().tobytes(), digest_size=16).digest() for p in pixels]
+        missing: dict[bytes, int] = {}
+        for i, key in enumerate(keys):
+            if key not in cache:
+                missing.setdefault(key, i)
+        if missing:
+            with torch.no_grad():
+                cache.update(zip(missing, self.encoder(pixels[list(missing.values())])))
+        return self.projection(torch.stack([cache[key] for key in keys]))
 
     def embed(self, input_ids: torch.Tensor, pixels: torch.Tensor | None) -> torch.Tensor:
         """Token embeddings with each image's projected features at its ``<image>`` positions, in order."""
@@ -149,7 +180,8 @@ class VisualChatModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, pixels: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 segments: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
-        """Decoder output (``.loss`` when ``labels`` are given: mean over the unmasked answer tokens).
+        """Decoder output. With ``labels``: ``.loss`` (mean over the unmasked answer tokens) and ``.logits``
+        at the positions followed by a label in some row only.
         ``segments`` (B, T): packed-sample ids, 0 = padding (default: one sample per row, no padding);
         ``position_ids`` restart per segment (default: 0..T-1)."""
         if segments is None:
@@ -157,7 +189,18 @@ class VisualChatModel(nn.Module):
         if position_ids is None:
             position_ids = positions_from_segments(segments)
         with attention_layout(self.layout(input_ids, segments)):
-            return self.decoder(inputs_embeds=self.embed(input_ids, pixels), position_ids=position_ids, labels=labels)
+            embeds = self.embed(input_ids, pixels)
+            if labels is None:
+                return self.decoder(inputs_embeds=embeds, position_ids=position_ids)
+            # The vocabulary projection only where a label follows (the answers: a few percent of a
+            # chat sample): over a 50k vocabulary it is most of a small decoder's work otherwise.
+            # transformers' own loss needs every position's logits, so the loss is computed here.
+            targets = labels[:, 1:]
+            keep = (targets != IGNORE_INDEX).any(dim=0).nonzero().flatten()
+            out = self.decoder(inputs_embeds=embeds, position_ids=position_ids, logits_to_keep=keep)
+            out.loss = nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), targets[:, keep].flatten(),
+                                                   ignore_index=IGNORE_INDEX)
+            return out
 
     def layout(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> Layout:
         """The attention layout of a batch. A training step with gradient checkpointing holds it around
@@ -165,11 +208,19 @@ class VisualChatModel(nn.Module):
         return Layout(torch.ones_like(input_ids) if segments is None else segments, input_ids == self.image_token_id,
                       self.mmca)
 
+    def reply(self, messages: list[dict], pixels: torch.Tensor | None, max_new_tokens: int = 8) -> str:
+        """The greedy reply to a conversation (chat messages) whose image parts are ``pixels``, in order."""
+        from vlm_assets.data.visualchat_data import prompt_ids
+
+        ids = prompt_ids(messages, self.tokenizer, self.image_token_id, self.num_image_tokens)
+        return self.tokenizer.decode(list(self.stream(ids, pixels, max_new_tokens=max_new_tokens)),
+                                     skip_special_tokens=True).strip()
+
     @torch.no_grad()
     def stream(self, input_ids: list[int], pixels: torch.Tensor | None, *, max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None) -> Iterator[int]:
         """New token ids one at a time (greedy at temperature 0, else nucleus sampling), KV cache kept;
-        stops at the end-of-sequence token."""
+        stops at the end-of-sequence token, or at the decoder's last position."""
         from transformers import DynamicCache
 
         ids = torch.tensor([input_ids])
@@ -177,7 +228,8 @@ class VisualChatModel(nn.Module):
         cache = DynamicCache()
         embeds = self.embed(ids, pixels)
         length = ids.shape[1]
-        for _ in range(max_new_tokens):
+        limit = decoder_positions(self.decoder.config) or length + max_new_tokens
+        for _ in range(min(max_new_tokens, limit - length)):  # a position table ends at its last row
             layout = Layout(torch.ones(1, length, dtype=torch.long), image, self.mmca)
             positions = torch.arange(length - embeds.shape[1], length)[None]
             with attention_layout(layout):
@@ -189,6 +241,12 @@ class VisualChatModel(nn.Module):
             image = torch.cat([image, torch.zeros(1, 1, dtype=torch.bool)], dim=1)
             embeds = self.decoder.get_input_embeddings()(torch.tensor([[token]]))
             length += 1
+
+
+def decoder_positions(config) -> int | None:
+    """The most positions a decoder's config declares (GPT-2's learned table, Llama's
+    ``max_position_embeddings``), or None when it declares none."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
 def positions_from_segments(segments: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vlm_assets.data.occlusion_dataset import OcclusionDataset
-from vlm_assets.models.frozen_vlm import QwenVLBackbone
+from vlm_assets.models.frozen_vlm import FrozenVLM, load_backbone
 from vlm_assets.models.occlusion_adapter import OcclusionAdapter
 from vlm_assets.train.adapter_config import AdapterTrainConfig
 
@@ -49,14 +49,14 @@ class AdapterModule(L.LightningModule):
         super().__init__()
         self.config, self.backbone_path = config, backbone
         self.adapter = OcclusionAdapter()
-        self.backbone: QwenVLBackbone | None = None
+        self.backbone: FrozenVLM | None = None
         self.strict_loading = False  # checkpoints hold the adapter only
 
     def configure_model(self) -> None:
         if self.backbone is None:
             dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-            self.backbone = QwenVLBackbone(self.backbone_path, max_length=self.config.max_length, dtype=dtype,
-                                           gradient_checkpointing=self.config.gradient_checkpointing)
+            self.backbone = load_backbone(self.backbone_path, max_length=self.config.max_length, dtype=dtype,
+                                          gradient_checkpointing=self.config.gradient_checkpointing)
 
     def losses(self, batch: dict) -> dict[str, torch.Tensor]:
         restored = self.adapter(batch["occluded"], batch["mask"])

@@ -1,14 +1,14 @@
 """The one config of VisualChat training: the model's fields (``VisualChatModelConfig``) plus how to
 train it. The torchrun entry point reads it from the run file (``--config run.json``)."""
 
-from typing import Literal
-
 from pydantic import Field, field_validator
 
 from vlm_assets.models.visualchat import VisualChatModelConfig
 from vlm_assets.train.run_config import RunConfig, run_field
 
-Module = Literal["encoder", "projection", "decoder", "lora"]
+MODULES = ("encoder", "projection", "decoder", "lora")
+# `decoder: gpt_checkpoint`: the graph's own GPT export (the asset hands its directory to the trainer).
+GPT_DECODER = "gpt_checkpoint"
 
 
 class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
@@ -22,7 +22,7 @@ class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
     lora_dropout: float = Field(default=0.0, ge=0, lt=1, description=(
         "LoRA dropout. 0 keeps a resumed run bit-exact (no random state to carry across processes)."))
     lora_encoder: bool = Field(default=False, description="Also put LoRA on the vision encoder's linear layers.")
-    freeze_modules: list[Module] = Field(default=["encoder", "decoder"], description=(
+    freeze_modules: list[str] = Field(default=["encoder", "decoder"], description=(
         "Modules whose weights stay fixed: encoder, projection, decoder (its base weights), lora."))
     lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate (linear warmup, then constant).")
     warmup_steps: int = Field(default=10, ge=0, description="Linear learning-rate warmup steps.")
@@ -33,13 +33,19 @@ class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
     chat_datasets: dict[str, int | None] = Field(default={}, description=(
         "Chat-messages JSONL files -> how many samples of each to blend in (null: all; more: repeated)."))
     vqa_count: int | None = Field(default=None, ge=0, description=(
-        "Clean manifest images as VQA ('What is shown?' -> class) to blend in (null: all)."))
+        "Clean manifest images as VQA (the manifest's prompt -> class) to blend in (null: all)."))
     pair_count: int = Field(default=0, ge=0, description=(
         "Two-image, two-round conversations made from the manifests ('Which of these is a ...?')."))
     eval_fraction: float = Field(default=0.1, ge=0, lt=1, description="Share of the blended records held out.")
     packing: bool = Field(default=False, description=(
         "Pack samples first-fit into rows of pack_tokens (attention kept per sample, positions restart)."))
     pack_tokens: int = Field(default=1024, ge=16, description="Tokens per packed row.")
+    eval_images: int = Field(default=100, ge=0, description=(
+        "Held-out validation images of the manifests on which the merged model's VQA exact match is measured "
+        "(0: none)."))
+    cache_image_features: bool = run_field(False, (
+        "Keep each training image's encoder features after their first computation (frozen encoder only; "
+        "memory: images x tokens x width floats per process)."))
     gradient_checkpointing: bool = run_field(False, "Recompute the decoder's activations in backward.")
     checkpoint_every: int = run_field(50, "Commit a checkpoint every this many optimizer steps (and at the end).", ge=1)
     log_every: int = run_field(10, "Report the train loss every this many steps.", ge=1)
@@ -51,5 +57,13 @@ class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
             raise ValueError(f"zero_stage {value} is not supported: VisualChat trains with ZeRO stage 2 or 3")
         return value
 
+    # A list of strings checked here, not of a Literal: Dagster's config types have no Literal lists.
+    @field_validator("freeze_modules")
+    @classmethod
+    def _modules(cls, value: list[str]) -> list[str]:
+        if unknown := sorted(set(value) - set(MODULES)):
+            raise ValueError(f"unknown module(s) {unknown}: choose from {', '.join(MODULES)}")
+        return value
+
     def trained_modules(self) -> list[str]:
-        return [m for m in ("encoder", "projection", "decoder", "lora") if m not in self.freeze_modules]
+        return [m for m in MODULES if m not in self.freeze_modules]

@@ -10,7 +10,9 @@ relaunch resumes from the newest intact one at the same step and data position, 
 continues exactly (LoRA dropout 0: nothing random is left to carry). At the end rank 0 gathers the
 weights (from the ZeRO-3 partitions too), merges LoRA into the decoder, checks the merged model
 against the unmerged one on a fixed batch, writes ``model/`` (``VisualChatModel.save_pretrained``) and
-``history.json`` into ``out_dir`` and reports through Pipes.
+``history.json`` into ``out_dir``, reloads that export and measures its VQA exact match on held-out
+validation images of the manifests with a two-image conversation (``eval.json``), and reports through
+Pipes.
 """
 
 import argparse
@@ -25,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from vlm_assets.data import visualchat_data as vd
-from vlm_assets.models.visualchat import VisualChatModel
+from vlm_assets.models.visualchat import VisualChatModel, decoder_positions
 from vlm_assets.models.visualchat_attention import attention_layout
 from vlm_assets.storage import store_from_spec
 from vlm_assets.train.checkpoints import StoreCheckpointIO, latest_checkpoint
 from vlm_assets.train.reporting import Reporter
 from vlm_assets.train.run_config import RunPaths, read_run_file
-from vlm_assets.train.visualchat_config import VisualChatTrainConfig
+from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfig
 
 EVAL_BATCH = 4
 # DeepSpeed probes for an accelerator and warns at every process start when it finds none; on CPU say so.
@@ -61,6 +63,8 @@ def build_model(config: VisualChatTrainConfig) -> VisualChatModel:
     for name, param in model.named_parameters():
         module = "lora" if "lora_" in name else name.split(".")[0]
         param.requires_grad_(module not in config.freeze_modules)
+    if config.cache_image_features:
+        model.cache_image_features()
     if config.gradient_checkpointing:
         model.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -79,7 +83,7 @@ def build_samples(config: VisualChatTrainConfig, model: VisualChatModel, manifes
         raise ValueError("no training data: set chat_datasets, or give the occlusion manifests with vqa_count > 0")
     train, held = vd.split(records, config.eval_fraction, config.seed)
     limit = config.max_length
-    positions = getattr(model.decoder.config, "max_position_embeddings", None) or getattr(model.decoder.config, "n_positions", None)
+    positions = decoder_positions(model.decoder.config)
     if positions is not None and positions < limit:
         limit = positions  # a learned position table (GPT-2) ends there: a longer sample cannot be embedded
     try:
@@ -127,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True, help="a run file: VisualChatTrainConfig + RunPaths")
     config, paths = read_run_file(parser.parse_args(argv).config, VisualChatTrainConfig)
+    if config.decoder == GPT_DECODER:  # the asset resolved the in-graph GPT export to a directory
+        config = config.model_copy(update={"decoder": paths.input("decoder")})
     rank = int(os.environ.get("RANK", 0))
     with Reporter.open(rank, paths.mlflow_tracking_uri, paths.mlflow_run_id) as reporter:
         train(config, paths, rank, reporter)
@@ -192,7 +198,7 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
     elapsed = time.perf_counter() - started
     dist.all_reduce(tokens)  # tokens that are not padding, over every rank, in this attempt's steps
     eval_loss = evaluate(engine, evaluation, pad, size)
-    export(engine, config, evaluation, rank, Path(paths.out_dir), reporter,
+    export(engine, config, evaluation, rank, Path(paths.out_dir), reporter, manifests,
            {"eval_loss": eval_loss, "baseline_eval_loss": state["baseline_eval_loss"], "steps": state["step"],
             "tokens_per_s": float(tokens) / elapsed if state["step"] > start_step else 0.0,
             "train_loss": state["history"][-1]["loss"], "trainable_parameters": trainable,
@@ -229,9 +235,9 @@ def evaluate(engine, samples: list[vd.Sample], pad: int, size: int) -> float:
 
 
 def export(engine, config: VisualChatTrainConfig, evaluation: list[vd.Sample], rank: int, out: Path,
-           reporter: Reporter, metrics: dict, history: list[dict]) -> None:
+           reporter: Reporter, manifests: Path | None, metrics: dict, history: list[dict]) -> None:
     """Gather every weight on rank 0, merge LoRA into a CPU replica, check it against the unmerged one,
-    and save the merged model."""
+    save the merged model, and evaluate the saved model as a user loads it (``eval.json``)."""
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
@@ -241,6 +247,7 @@ def export(engine, config: VisualChatTrainConfig, evaluation: list[vd.Sample], r
         replica.load_state_dict(weights)
         replica.eval()
         batch = vd.collate([[s] for s in evaluation[:EVAL_BATCH]], replica.tokenizer.pad_token_id, replica.encoder.image_size)
+        batch.pop("labels")  # the logits at every position, not only the answers'
         with torch.no_grad():
             unmerged = replica(**batch).logits
             replica.decoder = replica.decoder.merge_and_unload()
@@ -250,9 +257,26 @@ def export(engine, config: VisualChatTrainConfig, evaluation: list[vd.Sample], r
         staging = out / "model"
         shutil.rmtree(staging, ignore_errors=True)
         replica.save_pretrained(staging)
+        metrics["merge_max_abs_diff"] = float((merged - unmerged).abs().max())
+        if manifests is not None and config.eval_images:
+            metrics.update(evaluate_export(staging, manifests, config.eval_images, out / "eval.json", reporter))
         (out / "history.json").write_text(json.dumps({"train": history, **metrics}))
-        reporter.materialization({**metrics, "merge_max_abs_diff": float((merged - unmerged).abs().max())})
+        reporter.materialization(metrics)
     dist.barrier()
+
+
+def evaluate_export(model_dir: Path, manifests: Path, count: int, out: Path, reporter: Reporter) -> dict:
+    """VQA exact match of the exported model on held-out validation images, and a two-image, two-round
+    conversation, written to ``out``; returns the numbers."""
+    from vlm_assets.evaluate.visualchat_eval import two_image_conversation, vqa_exact_match
+
+    model = VisualChatModel.from_pretrained(model_dir)
+    result = vqa_exact_match(model, manifests, "validation", count)
+    result["conversation"] = two_image_conversation(model, manifests)
+    out.write_text(json.dumps(result, indent=1))
+    reporter.log(f"merged model: VQA exact match {result['exact_match']:.1%} on {result['num_images']} held-out "
+                 f"images (chance {result['chance']:.0%})")
+    return {"vqa_exact_match": result["exact_match"], "vqa_chance": result["chance"], "vqa_images": result["num_images"]}
 
 
 if __name__ == "__main__":

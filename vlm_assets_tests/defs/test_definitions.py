@@ -18,19 +18,26 @@ def test_definitions_snapshot():
     definitions = defs()
     graph = definitions.resolve_asset_graph()
     assert sorted(k.to_user_string() for k in definitions.resolve_all_asset_keys()) == [
-        "eval_report", "gpt_checkpoint", "occlusion_adapter", "occlusion_manifests", "registered_adapter", "token_shards"]
+        "eval_report", "gpt_checkpoint", "occlusion_adapter", "occlusion_manifests", "registered_adapter",
+        "registered_visualchat", "token_shards", "visualchat_model"]
     assert sorted(c.name for c in graph.asset_check_keys) == [
         "adapter_accuracy_meets_threshold", "adapter_gain_non_negative", "adapter_training_complete",
         "adapter_weights_finite",
-        "boxes_within_configured_bounds", "counts_match_config", "every_class_present_and_balanced",
-        "every_image_readable", "every_shard_readable", "export_reproduces_val_loss", "token_counts_match_summary",
-        "token_ids_within_vocab", "val_loss_beats_uniform"]
+        "boxes_within_configured_bounds", "counts_match_config", "eval_loss_beats_untrained", "every_class_present_and_balanced",
+        "every_image_readable", "every_shard_readable", "export_reproduces_val_loss", "merged_equals_unmerged",
+        "token_counts_match_summary", "token_ids_within_vocab", "val_loss_beats_uniform", "vqa_exact_match_meets_threshold"]
     assert all(spec.blocking for checks in definitions.asset_checks for spec in checks.check_specs)
     job = definitions.resolve_job_def("main_job")
     assert {n.name for n in job.nodes} >= {"occlusion_manifests", "token_shards", "gpt_checkpoint"}
     assert graph.get(dg.AssetKey("gpt_checkpoint")).parent_keys == {dg.AssetKey("token_shards")}
     assert graph.get(dg.AssetKey("registered_adapter")).parent_keys == {dg.AssetKey("eval_report"),
                                                                       dg.AssetKey("occlusion_adapter")}
+    # The lineage: token_shards -> gpt_checkpoint -> visualchat_model (its decoder) -> occlusion_adapter (its backbone).
+    assert graph.get(dg.AssetKey("visualchat_model")).parent_keys == {dg.AssetKey("gpt_checkpoint"),
+                                                                    dg.AssetKey("occlusion_manifests")}
+    assert graph.get(dg.AssetKey("occlusion_adapter")).parent_keys == {dg.AssetKey("visualchat_model"),
+                                                                     dg.AssetKey("occlusion_manifests")}
+    assert graph.get(dg.AssetKey("registered_visualchat")).parent_keys == {dg.AssetKey("visualchat_model")}
     assert definitions.resolve_schedule_def("main_schedule").cron_schedule == "0 3 * * *"
     assert set(definitions.resources) >= {"artifact_store", "mlflow", "launcher"}
 
@@ -92,7 +99,9 @@ def test_ui_materialize_and_main_job_use_the_active_profile(name):
     assert ops["eval_report_adapter_accuracy_meets_threshold"]["min_accuracy"] == (0.3 if name == "demo" else 0.5)
     classes = {"occlusion_manifests": "OcclusionManifestsConfig", "token_shards": "TokenShardsConfig",
                "gpt_checkpoint": "GPTCheckpointConfig", "occlusion_adapter": "OcclusionAdapterConfig",
-               "eval_report": "EvalReportConfig", "eval_report_adapter_accuracy_meets_threshold": "AccuracyCheckConfig"}
+               "eval_report": "EvalReportConfig", "eval_report_adapter_accuracy_meets_threshold": "AccuracyCheckConfig",
+               "visualchat_model": "VisualChatAssetConfig",
+               "visualchat_model_vqa_exact_match_meets_threshold": "VQACheckConfig"}
     for op, cls in classes.items():
         for field, value in profile_defaults(name).get(cls, {}).items():
             assert ops[op][field] == value, (op, field)
@@ -113,7 +122,8 @@ def test_training_steps_share_one_pool_sized_by_the_instance(tmp_path):
 
     definitions = defs()
     pools = {k.to_user_string(): definitions.resolve_assets_def(k).op.pool for k in definitions.resolve_all_asset_keys()}
-    assert {k for k, pool in pools.items() if pool == TRAINING_POOL} == {"gpt_checkpoint", "occlusion_adapter"}
+    assert {k for k, pool in pools.items() if pool == TRAINING_POOL} == {"gpt_checkpoint", "occlusion_adapter",
+                                                                          "visualchat_model"}
     assert {pool for k, pool in pools.items() if pool != TRAINING_POOL} == {None}
     (tmp_path / "dagster.yaml").write_text((Path(__file__).resolve().parents[2] / "dagster.yaml").read_text())
     instance = dg.DagsterInstance.from_config(str(tmp_path))

@@ -10,13 +10,13 @@ import dagster as dg
 
 from vlm_assets.defs.platform.checks import artifact_scan
 from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher
-from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized
+from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, latest_ref, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.memo import cache_key
 from vlm_assets.paths import runs_dir
 from vlm_assets.storage import ArtifactRef, ArtifactStore
-from vlm_assets.train.adapter_config import TINY_CLEAN, AdapterTrainConfig
+from vlm_assets.train.adapter_config import TINY_CLEAN, VISUALCHAT, AdapterTrainConfig
 from vlm_assets.train.run_config import RunPaths, write_run_file
 
 
@@ -24,7 +24,7 @@ class OcclusionAdapterConfig(AdapterTrainConfig, AssetConfig):
     """``AdapterTrainConfig`` as the asset's config: the same fields, constraints and defaults."""
 
     def check_values(self) -> None:
-        if self.backbone != TINY_CLEAN and self.backbone.startswith(("/", ".", "~")) and not Path(self.backbone).expanduser().is_dir():
+        if self.backbone.startswith(("/", ".", "~")) and not Path(self.backbone).expanduser().is_dir():
             raise FileNotFoundError(f"config field backbone: directory {self.backbone} does not exist")
 
 
@@ -36,8 +36,12 @@ def preflight(config: OcclusionAdapterConfig, manifests: Path) -> None:
         OcclusionSamples(manifests, split, config.image_size, limit).check_images()
 
 
-def resolve_backbone(config: OcclusionAdapterConfig, store: ArtifactStore, manifests: ArtifactRef, log) -> str:
-    """The backbone to load: the configured hub id / directory, or the memoized tiny clean-task backbone."""
+def resolve_backbone(config: OcclusionAdapterConfig, store: ArtifactStore, manifests: ArtifactRef,
+                     visualchat: ArtifactRef | None, log) -> str:
+    """The backbone to load: the configured hub id / directory, the graph's VisualChat model, or the
+    memoized tiny clean-task backbone."""
+    if visualchat is not None:
+        return str(store.local_path(visualchat.key) / "model")
     if config.backbone != TINY_CLEAN:
         return config.backbone
     from vlm_assets.models.tiny_qwen import build_tiny_qwen
@@ -59,18 +63,23 @@ def resolve_backbone(config: OcclusionAdapterConfig, store: ArtifactStore, manif
     return str(store.local_path(key) / "model")
 
 
+# `visualchat_model` is read only when the config says `backbone: visualchat`: a `deps` edge, so an
+# adapter on another backbone neither waits for VisualChat nor rebuilds when it changes.
 @dg.asset(code_version="1", kinds={"pytorch", "lightning"}, group_name="models", pool=TRAINING_POOL,
-          retry_policy=dg.RetryPolicy(max_retries=2, delay=2))
+          retry_policy=dg.RetryPolicy(max_retries=2, delay=2), deps=["visualchat_model"])
 def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapterConfig,
                       occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource,
                       mlflow: MlflowTrackingResource, launcher: TrainingLauncher) -> dg.Output[ArtifactRef]:
-    """A 10,532-parameter residual Conv2d adapter trained in front of a frozen Qwen2.5-VL so it answers
-    correctly on occluded images: LM loss on the answer tokens + 0.35 x masked L1 to the clean image.
-    Contains ``adapter.safetensors``, ``backbone.json`` (what it was trained against) and ``history.json``.
-    A retry resumes from the last per-epoch recovery checkpoint."""
-    upstream = {"occlusion_manifests": occlusion_manifests}
-    key = artifact_key(context, config, upstream)
+    """A 10,532-parameter residual Conv2d adapter trained in front of a frozen VLM (a Qwen2.5-VL, or the
+    graph's merged VisualChat model) so it answers correctly on occluded images: LM loss on the answer
+    tokens + 0.35 x masked L1 to the clean image. Contains ``adapter.safetensors``, ``backbone.json``
+    (what it was trained against) and ``history.json``. A retry resumes from the last per-epoch
+    recovery checkpoint."""
     store = artifact_store.get_store()
+    upstream = {"occlusion_manifests": occlusion_manifests}
+    if config.backbone == VISUALCHAT:
+        upstream["visualchat_model"] = latest_ref(context, store, "visualchat_model")
+    key = artifact_key(context, config, upstream)
 
     def build(staging: Path, run: TrackedRun) -> Built:
         from vlm_assets.models.frozen_vlm import check_prompt_lengths
@@ -78,7 +87,7 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
 
         manifests = store.local_path(occlusion_manifests.key)
         preflight(config, manifests)
-        backbone = resolve_backbone(config, store, occlusion_manifests, context.log.info)
+        backbone = resolve_backbone(config, store, occlusion_manifests, upstream.get("visualchat_model"), context.log.info)
         check_prompt_lengths(backbone, OcclusionSamples(manifests, "train", config.image_size, None).images.rows,
                              config.image_size, config.max_length, str(manifests / "train.jsonl"))
         work = Path(tempfile.mkdtemp(prefix="adapter-", dir=runs_dir()))

@@ -28,12 +28,12 @@ class AccuracyCheckConfig(ProfileDefaults, dg.Config):
 def load_trained(store, adapter_ref: ArtifactRef):
     from safetensors.torch import load_file
 
-    from vlm_assets.models.frozen_vlm import QwenVLBackbone
+    from vlm_assets.models.frozen_vlm import load_backbone
     from vlm_assets.models.occlusion_adapter import OcclusionAdapter
 
     root = store.local_path(adapter_ref.key)
     info = json.loads((root / "backbone.json").read_text())
-    backbone = QwenVLBackbone(info["backbone"], max_length=info["max_length"])
+    backbone = load_backbone(info["backbone"], max_length=info["max_length"])
     adapter = OcclusionAdapter()
     adapter.load_state_dict(load_file(str(root / "adapter.safetensors")))
     return backbone, adapter, info, root

@@ -81,6 +81,17 @@ def artifact_key(context: dg.AssetExecutionContext, config: dg.Config, upstream:
     return f"{name}/{cache_key(name, code_version, config.identity(), versions)}"
 
 
+def latest_ref(context: dg.AssetExecutionContext, store: ArtifactStore, asset: str) -> ArtifactRef:
+    """The artifact of ``asset``'s latest materialization: how an asset reads an upstream it names in
+    ``deps`` (an edge it reads only when its config says so), as an input would be loaded."""
+    event = context.instance.get_latest_materialization_event(dg.AssetKey(asset))
+    key = event.asset_materialization.metadata.get("cache_key") if event is not None else None
+    if key is None or not store.exists(key.value):
+        raise ValueError(f"{context.asset_key.to_user_string()} reads {asset}, which has no materialized artifact "
+                         f"in this store: materialize {asset} first (main_job does)")
+    return store.ref(key.value)
+
+
 def materialize_memoized(
     context: dg.AssetExecutionContext,
     *,

@@ -29,7 +29,7 @@ def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
         },
         "TokenShardsConfig": {
             "source": "text_files", "text_glob": str(data / "shakespeare" / "*.txt"),
-            "tokenizer": str(data / "gpt2-tokenizer"), "max_length": 128,
+            "tokenizer": str(data / "gpt2-tokenizer"), "max_length": 256,
         },
         # Two nodes of one process each (two torchrun agents on loopback), as a cluster would run it.
         "GPTCheckpointConfig": {
@@ -37,10 +37,20 @@ def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
             "micro_batch_size": 4, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "max_steps": 40,
             "val_check_interval": 20, "val_batches": 8, "checkpoint_every": 20, "log_every": 10,
         },
-        # A tiny Qwen2.5-VL that first learns the clean task (no hub here), then the adapter at 56 px
-        # on 2 processes.
+        # VisualChat on the graph's own GPT: the pretrained EfficientNet-Lite0 (frozen, its features cached),
+        # an mlp projection, and the decoder with LoRA, trained with it (40 steps of Shakespeare teach a
+        # decoder too little for LoRA alone), on the clean images as VQA and two-image conversations.
+        "VisualChatAssetConfig": {
+            "decoder": "gpt_checkpoint", "encoder_kind": "efficientnet_lite0", "projection": "mlp",
+            "freeze_modules": ["encoder"], "cache_image_features": True, "max_length": 256, "vqa_count": 800,
+            "pair_count": 100, "eval_fraction": 0.05, "micro_batch_size": 4, "global_batch_size": 8,
+            "nproc_per_node": 2, "lr": 3e-3, "warmup_steps": 10, "max_steps": 500, "eval_images": 100,
+            "checkpoint_every": 250, "log_every": 50,
+        },
+        "VQACheckConfig": {"min_exact_match": 0.3},
+        # The adapter at 56 px in front of that VisualChat model (frozen), on 2 processes.
         "OcclusionAdapterConfig": {
-            "backbone": "tiny-clean", "clean_backbone_steps": 400, "image_size": 56, "epochs": 3, "lr": 5e-3,
+            "backbone": "visualchat", "image_size": 56, "epochs": 3, "lr": 5e-3,
             "micro_batch_size": 8, "global_batch_size": 16, "nproc_per_node": 2, "num_train": 480,
         },
         "EvalReportConfig": {"num_samples": 200, "batch_size": 50, "num_cards": 24},

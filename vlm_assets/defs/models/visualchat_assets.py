@@ -1,0 +1,223 @@
+"""``visualchat_model`` -> ``registered_visualchat``: a vision encoder joined to an LLM decoder with LoRA,
+trained under DeepSpeed ZeRO on the clean manifests (VQA and two-image conversations) and chat-messages
+datasets, merged, exported and evaluated; registered as ``visualchat@champion`` only when its checks pass.
+
+The asset is thin, like ``gpt_checkpoint``: its config *is* a ``VisualChatTrainConfig``; it writes that
+and the launch's paths into a run file, lets the launcher run ``vlm_assets.train.visualchat_train`` on
+every process, and commits what rank 0 wrote.
+"""
+
+import base64
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher
+from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, latest_ref, materialize_memoized
+from vlm_assets.defs.platform.profiles import ProfileDefaults
+from vlm_assets.defs.platform.storage import ArtifactStoreResource
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.paths import runs_dir
+from vlm_assets.storage import ArtifactRef
+from vlm_assets.train.run_config import RunPaths, write_run_file
+from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfig
+
+TRAINER_MODULE = "vlm_assets.train.visualchat_train"
+
+
+class VisualChatAssetConfig(VisualChatTrainConfig, AssetConfig):
+    """``VisualChatTrainConfig`` as the asset's config: the same fields, constraints and defaults."""
+
+    def check_values(self) -> None:
+        for field in ("decoder", "encoder"):
+            value = getattr(self, field)
+            if value and value.startswith(("/", ".", "~")) and not Path(value).expanduser().exists():
+                raise FileNotFoundError(f"config field {field}: {value} does not exist")
+        for path in self.chat_datasets:
+            if not Path(path).expanduser().is_file():
+                raise FileNotFoundError(f"config field chat_datasets: {path} does not exist")
+
+
+class VQACheckConfig(ProfileDefaults, dg.Config):
+    min_exact_match: float = Field(default=0.5, ge=0, le=1, description=(
+        "The merged model's VQA exact match on held-out images must reach this (a check setting: changing "
+        "it re-runs the check only)."))
+
+
+@dg.asset(
+    code_version="1",
+    kinds={"pytorch", "deepspeed"},
+    group_name="models",
+    retry_policy=dg.RetryPolicy(max_retries=2, delay=2),
+    pool=TRAINING_POOL,
+    # Read only when the config names it (decoder: gpt_checkpoint): a `deps` edge, so a VisualChat
+    # on a hub decoder neither waits for the GPT nor rebuilds when it changes.
+    deps=["gpt_checkpoint"],
+)
+def visualchat_model(
+    context: dg.AssetExecutionContext,
+    config: VisualChatAssetConfig,
+    occlusion_manifests: ArtifactRef,
+    artifact_store: ArtifactStoreResource,
+    mlflow: MlflowTrackingResource,
+    launcher: TrainingLauncher,
+) -> dg.Output[ArtifactRef]:
+    """A vision encoder + projection + causal-LM decoder with LoRA (DeepSpeed-VisualChat's recipe), trained
+    with the plain DeepSpeed engine (ZeRO-2/3) on ``nproc_per_node`` x ``num_nodes`` processes; LoRA merged.
+    Contains ``model/`` (``VisualChatModel.from_pretrained``; ``python -m vlm_assets.chat``), ``history.json``,
+    ``eval.json`` (VQA exact match of the merged model on held-out images, a two-image conversation) and
+    ``loss_curve.png``. A retry resumes from the newest checkpoint at the same step and data position."""
+    store = artifact_store.get_store()
+    upstream = {"occlusion_manifests": occlusion_manifests}
+    if config.decoder == GPT_DECODER:
+        upstream["gpt_checkpoint"] = latest_ref(context, store, "gpt_checkpoint")
+    key = artifact_key(context, config, upstream)
+
+    def build(staging: Path, run: TrackedRun) -> Built:
+        from vlm_assets.data.visualchat_data import read_chat_jsonl
+
+        for path in sorted(config.chat_datasets):  # a bad record fails here, naming file:line, without retries
+            read_chat_jsonl(Path(path).expanduser(), config.max_images)
+        manifests = store.local_path(occlusion_manifests.key)
+        inputs = {"occlusion_manifests": str(manifests)}
+        if config.decoder == GPT_DECODER:
+            inputs["decoder"] = str(store.local_path(upstream["gpt_checkpoint"].key) / "hf")
+        work = Path(tempfile.mkdtemp(prefix="visualchat-", dir=runs_dir()))
+        try:
+            paths = RunPaths(inputs=inputs, out_dir=str(staging), cache_dir=str(work), checkpoint_store=artifact_store.spec(),
+                             checkpoint_prefix=f"checkpoints/{key}", mlflow_tracking_uri=mlflow.tracking_uri,
+                             mlflow_run_id=run.run_id)
+            write_run_file(work / "run.json", config, paths)
+            reports = launcher.launch(context, config.launch_spec(TRAINER_MODULE, ("--config", str(work / "run.json")),
+                                                                  name="visualchat_model"))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        if len(reports) != 1:
+            raise RuntimeError(f"the trainer reported {len(reports)} materializations through Pipes, expected 1")
+        values = {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}
+        return Built(metrics={k: float(v) for k, v in values.items() if isinstance(v, (int, float))},
+                     metadata={"decoder": inputs.get("decoder", config.decoder)},
+                     markdown=report_markdown(staging, run, config))
+
+    return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build,
+                                upstream=upstream)
+
+
+def report_markdown(staging: Path, run: TrackedRun, config: VisualChatAssetConfig) -> dict[str, str]:
+    """The loss curve (and the held-out loss before and after) and the two-image conversation, for the UI."""
+    from vlm_assets.train.plots import loss_curve_png
+
+    history = json.loads((staging / "history.json").read_text())
+    held_out = [{"step": 0, "loss": history["baseline_eval_loss"]}, {"step": history["steps"], "loss": history["eval_loss"]}]
+    png = loss_curve_png({"train": history["train"], "val": held_out}, history["baseline_eval_loss"],
+                         f"VisualChat: {config.encoder_kind} + {config.projection} + LoRA decoder, ZeRO-{config.zero_stage}",
+                         baseline_label="held-out loss untrained")
+    (staging / "loss_curve.png").write_bytes(png)
+    run.log_artifact(str(staging / "loss_curve.png"))
+    markdown = {"loss_curve": f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"}
+    if (staging / "eval.json").is_file():
+        run.log_artifact(str(staging / "eval.json"))
+        result = json.loads((staging / "eval.json").read_text())
+        lines = ["| role | message |", "|---|---|"]
+        for message in result["conversation"]:
+            content = message["content"]
+            text = content if isinstance(content, str) else " ".join(
+                "[image]" if p["type"] == "image" else p["text"] for p in content)
+            lines.append(f"| {message['role']} | {text.replace('|', '/')} |")
+        markdown["conversation"] = "\n".join(lines)
+    return markdown
+
+
+@dg.asset_check(asset=visualchat_model, blocking=True)
+def eval_loss_beats_untrained(visualchat_model: ArtifactRef) -> dg.AssetCheckResult:
+    """The held-out loss after training is below the untrained model's (projection at init, LoRA zero)."""
+    metrics = visualchat_model.metadata["metrics"]
+    loss, baseline = metrics["eval_loss"], metrics["baseline_eval_loss"]
+    return dg.AssetCheckResult(passed=bool(loss < baseline), description=f"held-out loss {loss:.4f} vs untrained {baseline:.4f}",
+                               metadata={"eval_loss": loss, "baseline_eval_loss": baseline})
+
+
+@dg.asset_check(asset=visualchat_model, blocking=True)
+def vqa_exact_match_meets_threshold(config: VQACheckConfig, visualchat_model: ArtifactRef) -> dg.AssetCheckResult:
+    """The merged model's exact match on held-out clean images reaches ``min_exact_match`` (this check's
+    config), beside chance (one over the classes)."""
+    metrics = visualchat_model.metadata["metrics"]
+    if "vqa_exact_match" not in metrics:
+        return dg.AssetCheckResult(passed=False, description="not measured: eval_images is 0")
+    match, chance = metrics["vqa_exact_match"], metrics["vqa_chance"]
+    return dg.AssetCheckResult(
+        passed=bool(match >= config.min_exact_match),
+        description=f"exact match {match:.1%} on {metrics['vqa_images']:.0f} held-out images vs threshold "
+                    f"{config.min_exact_match:.1%} (chance {chance:.0%})",
+        metadata={"vqa_exact_match": match, "chance": chance, "min_exact_match": config.min_exact_match})
+
+
+@dg.asset_check(asset=visualchat_model, blocking=True)
+def merged_equals_unmerged(visualchat_model: ArtifactRef) -> dg.AssetCheckResult:
+    """Merging LoRA into the decoder changed no output by more than 1e-4 (logits on a fixed held-out batch)."""
+    diff = visualchat_model.metadata["metrics"]["merge_max_abs_diff"]
+    return dg.AssetCheckResult(passed=bool(diff < 1e-4), description=f"largest logit difference {diff:.2e}",
+                               metadata={"merge_max_abs_diff": diff})
+
+
+class RegisteredVisualChatConfig(AssetConfig):
+    model_name: str = Field(default="visualchat", min_length=1, description="MLflow registered model name.")
+    alias: str = Field(default="champion", min_length=1, description="Alias pointed at this model's version.")
+
+
+@dg.asset(code_version="1", kinds={"mlflow"}, group_name="models", retry_policy=dg.RetryPolicy(max_retries=2, delay=5))
+def registered_visualchat(context: dg.AssetExecutionContext, config: RegisteredVisualChatConfig,
+                          visualchat_model: ArtifactRef, artifact_store: ArtifactStoreResource,
+                          mlflow: MlflowTrackingResource) -> dg.MaterializeResult:
+    """The merged VisualChat model as an MLflow pyfunc (models-from-code: a question and base64 PNG images
+    -> the answer) in the Model Registry, with ``alias`` pointed at it. As ``registered_adapter``: a version
+    is found by the sha256 of the model's files, so the same model never makes a second version. Runs only
+    when the blocking checks of ``visualchat_model`` passed. Chat with it:
+    ``python -m vlm_assets.chat models:/visualchat@champion``."""
+    from vlm_assets.models.registry import register_once
+    from vlm_assets.models.visualchat_card import DESCRIPTION
+
+    store = artifact_store.get_store()
+    files = store.read_manifest(visualchat_model.key).files
+    weights_sha = combined_sha256({p: f["sha256"] for p, f in files.items() if p.startswith("model/")})
+
+    def log_model():
+        tags = {"dagster.run_id": context.run.run_id, "dagster.asset": "registered_visualchat"}
+        with mlflow.start_run(run_name="registered_visualchat", tags=tags) as run:
+            return log_visualchat_model(run, store.local_path(visualchat_model.key), mlflow.tracking_uri)
+
+    with mlflow.registry_errors():
+        entry = register_once(mlflow.client(), config.model_name, config.alias, weights_sha, log_model, DESCRIPTION)
+    context.log.info(f"{entry.name}@{entry.alias} -> v{entry.version} ({entry.action})")
+    return dg.MaterializeResult(metadata={
+        "model": f"models:/{entry.name}@{entry.alias}", "model_version": entry.version, "registry": entry.action,
+        "weights_sha256": weights_sha, "registry_uri": mlflow.tracking_uri})
+
+
+def combined_sha256(shas: dict[str, str]) -> str:
+    import hashlib
+
+    return hashlib.sha256("".join(f"{p}:{s}\n" for p, s in sorted(shas.items())).encode()).hexdigest()
+
+
+def log_visualchat_model(run: TrackedRun, root: Path, tracking_uri: str):
+    """Log the pyfunc into ``run`` with MLflow's models-from-code; returns its ``ModelInfo``."""
+    import mlflow as mlflow_lib
+    import pandas as pd
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, Schema
+
+    from vlm_assets.models import visualchat_pyfunc
+
+    signature = ModelSignature(inputs=Schema([ColSpec("string", "question"), ColSpec(Array("string"), "images")]),
+                               outputs=Schema([ColSpec("string", "answer")]))
+    example = pd.DataFrame({"question": ["What is shown?"], "images": [[visualchat_pyfunc.example_png()]]})
+    mlflow_lib.set_tracking_uri(tracking_uri)
+    with mlflow_lib.start_run(run_id=run.run_id):
+        return mlflow_lib.pyfunc.log_model(
+            name="model", python_model=str(Path(visualchat_pyfunc.__file__).with_name("visualchat_model_code.py")),
+            signature=signature, input_example=example, artifacts={"model": str(root / "model")})

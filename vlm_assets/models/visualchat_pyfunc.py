@@ -1,0 +1,42 @@
+"""The registered form of VisualChat: an MLflow pyfunc (a question and images -> the greedy answer).
+
+Logged with models-from-code (``visualchat_model_code.py``). Its one artifact, ``model``, is the merged
+model directory (``VisualChatModel.save_pretrained``), which ``python -m vlm_assets.chat models:/...``
+downloads and chats with. ``predict`` takes a DataFrame with ``question`` (text) and ``images`` (a list
+of base64 PNGs, in order) and returns one answer per row.
+"""
+
+import base64
+import io
+
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
+import torch
+from PIL import Image
+
+
+class VisualChatPredictor(mlflow.pyfunc.PythonModel):
+    def load_context(self, context) -> None:
+        from vlm_assets.models.visualchat import VisualChatModel
+
+        self.model = VisualChatModel.from_pretrained(context.artifacts["model"])
+
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
+        from vlm_assets.data.visualchat_data import to_pixels
+
+        answers = []
+        for question, images in zip(model_input["question"], model_input["images"]):
+            pixels = [to_pixels(Image.open(io.BytesIO(base64.b64decode(b64))), self.model.encoder.image_size)
+                      for b64 in images]
+            content = [{"type": "image", "image": ""} for _ in pixels] + [{"type": "text", "text": question}]
+            answers.append(self.model.reply([{"role": "user", "content": content}],
+                                            torch.stack(pixels) if pixels else None))
+        return answers
+
+
+def example_png() -> str:
+    """A mid-grey 28 x 28 PNG, base64: the logged input example."""
+    buf = io.BytesIO()
+    Image.fromarray(np.full((28, 28, 3), 128, np.uint8)).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()

@@ -1,0 +1,127 @@
+"""occlusion_manifests -> visualchat_model (+ its three blocking checks) -> registered_visualchat, in process,
+with a tiny CLIP and a tiny GPT-2 (built from configs, loaded through from_pretrained) on real
+Fashion-MNIST images, 2 processes under ZeRO-2 on gloo through the launcher; then the registered model
+answers through MLflow and the chat CLI's `models:/` resolution, a failing VQA check keeps the alias
+where it was, and bad input fails at once naming the file, line or field. The demo profile's lineage
+(`decoder: gpt_checkpoint`, and the merged model as the adapter's backbone) runs in `test_main_job`."""
+
+import json
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import pytest
+
+from vlm_assets.defs.data.occlusion_assets import occlusion_manifests
+from vlm_assets.defs.models.visualchat_assets import (
+    eval_loss_beats_untrained,
+    merged_equals_unmerged,
+    registered_visualchat,
+    visualchat_model,
+    vqa_exact_match_meets_threshold,
+)
+from vlm_assets_tests.conftest import IsolatedEnv
+from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
+
+pytestmark = pytest.mark.slow
+
+GRAPH = [occlusion_manifests, visualchat_model, eval_loss_beats_untrained, vqa_exact_match_meets_threshold,
+         merged_equals_unmerged, registered_visualchat]
+
+
+def run_config(offline_data: Path, models: Path, visualchat=None, min_exact_match=0.0) -> dict:
+    return {"ops": {
+        "occlusion_manifests": {"config": {"source": "fashion_mnist", "source_uri": str(offline_data / "fashion-mnist"),
+                                           "num_train": 60, "num_validation": 20}},
+        "visualchat_model": {"config": {
+            "encoder_kind": "clip", "encoder": str(models / "clip"), "decoder": str(models / "gpt2"), "projection": "mlp",
+            "max_steps": 4, "pair_count": 8, "micro_batch_size": 2, "global_batch_size": 4, "nproc_per_node": 2,
+            "lr": 3e-3, "warmup_steps": 1, "max_length": 256, "eval_images": 8, "checkpoint_every": 2, "log_every": 2,
+            "timeout_s": 600, **(visualchat or {})}},
+        "visualchat_model_vqa_exact_match_meets_threshold": {"config": {"min_exact_match": min_exact_match}},
+    }}
+
+
+def meta(result, asset):
+    materializations = result.asset_materializations_for_node(asset)
+    return {k: getattr(v, "value", v) for k, v in materializations[0].metadata.items()} if materializations else None
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, offline_data) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    tiny_clip(root / "clip")
+    tiny_decoder(root / "gpt2", offline_data, arch="gpt2")
+    return root
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, offline_data, models):
+    env = IsolatedEnv(tmp_path_factory.mktemp("visualchat"), GRAPH)
+    return env, env.materialize(run_config(offline_data, models))
+
+
+def test_trains_merges_evaluates_and_registers(pipeline):
+    env, result = pipeline
+    assert result.success
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks == {"eval_loss_beats_untrained": True, "vqa_exact_match_meets_threshold": True,
+                      "merged_equals_unmerged": True}
+    model = meta(result, "visualchat_model")
+    assert model["cache"] == "miss" and model["steps"] == 4 and model["vqa_images"] == 8 and model["vqa_chance"] == 0.1
+    assert model["merge_max_abs_diff"] < 1e-4 and model["eval_loss"] < model["baseline_eval_loss"]
+    root = Path(model["uri"])
+    evaluation = json.loads((root / "eval.json").read_text())
+    assert len(evaluation["predictions"]) == 8
+    assert [m["role"] for m in evaluation["conversation"]] == ["user", "assistant", "user", "assistant"]
+    assert "| assistant |" in model["conversation"] and model["loss_curve"].startswith("![loss curve](data:image/png")
+    assert (root / "model" / "visualchat.json").is_file() and (root / "loss_curve.png").is_file()
+    registered = meta(result, "registered_visualchat")
+    assert registered["model"] == "models:/visualchat@champion" and registered["registry"] == "registered"
+
+
+def test_the_registered_model_answers_through_mlflow_and_the_chat_cli(pipeline, offline_data):
+    from vlm_assets.chat import resolve_model
+    from vlm_assets.models.visualchat_pyfunc import example_png
+
+    env, _ = pipeline
+    mlflow.set_tracking_uri(env.uri)
+    model = mlflow.pyfunc.load_model("models:/visualchat@champion")
+    answers = model.predict(pd.DataFrame({"question": ["What is shown?", "Which one is a Bag?"],
+                                          "images": [[example_png()], [example_png(), example_png()]]}))
+    assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
+    directory = resolve_model("models:/visualchat@champion")
+    assert (directory / "visualchat.json").is_file() and (directory / "decoder" / "config.json").is_file()
+
+
+def test_a_rerun_hits_the_cache_and_a_failing_vqa_check_keeps_the_alias(pipeline, offline_data, models):
+    env, first = pipeline
+    again = env.materialize(run_config(offline_data, models))
+    assert meta(again, "visualchat_model")["cache"] == "hit"
+    assert meta(again, "registered_visualchat")["registry"] == "already current"
+    strict = env.materialize(run_config(offline_data, models, min_exact_match=1.0), raise_on_error=False)
+    checks = {e.check_name: e.passed for e in strict.get_asset_check_evaluations()}
+    assert checks["vqa_exact_match_meets_threshold"] is False and meta(strict, "visualchat_model")["cache"] == "hit"
+    assert meta(strict, "registered_visualchat") is None  # blocked by the failed check
+    mlflow.set_tracking_uri(env.uri)
+    assert mlflow.MlflowClient().get_model_version_by_alias("visualchat", "champion").version == "1"
+
+
+def _failure(result) -> str:
+    return "\n".join(e.step_failure_data.error.message for e in result.all_events if e.is_step_failure)
+
+
+def test_bad_input_fails_at_once_naming_the_file_line_or_field(pipeline, offline_data, models, tmp_path):
+    env, _ = pipeline
+    missing = tmp_path / "nope.jsonl"
+    result = env.materialize(run_config(offline_data, models, {"chat_datasets": {str(missing): None}}), raise_on_error=False)
+    assert f"config field chat_datasets: {missing} does not exist" in _failure(result)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+                   + "\n" + json.dumps({"messages": [{"role": "robot", "content": "hi"}]}) + "\n")
+    result = env.materialize(run_config(offline_data, models, {"chat_datasets": {str(bad): None}}), raise_on_error=False)
+    assert f"{bad}:2: unknown role 'robot'" in _failure(result)
+    result = env.materialize(run_config(offline_data, models, {"zero_stage": 1}), raise_on_error=False)
+    assert "field zero_stage: zero_stage 1 is not supported" in _failure(result)
+    result = env.materialize(run_config(offline_data, models, {"decoder": str(tmp_path / "no-decoder")}), raise_on_error=False)
+    assert f"config field decoder: {tmp_path / 'no-decoder'} does not exist" in _failure(result)
