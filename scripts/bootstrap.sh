@@ -23,7 +23,14 @@ fi
 export PATH="$venv/bin:$PATH"
 export VLM_ASSETS_CACHE="${VLM_ASSETS_CACHE:-$HOME/.cache/vlm_assets}"
 PYTHON="$venv/bin/python" "$repo/scripts/fetch-offline-data.sh"
-export MLFLOW_DISABLE_TELEMETRY=true HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TORCH_EXTENSIONS_DIR="$VLM_ASSETS_CACHE/torch_extensions"
+export MLFLOW_DISABLE_TELEMETRY=true MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR=false HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TORCH_EXTENSIONS_DIR="$VLM_ASSETS_CACHE/torch_extensions"
 # DeepSpeed (imported by transformers and peft when installed) warns at every import when it probes
 # for an accelerator and finds none: on a machine without NVIDIA's driver, name the CPU.
 command -v nvidia-smi >/dev/null || export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+# DeepSpeed on CPU compiles its shared-memory collectives op at the first `deepspeed.initialize`
+# (about 40 s on 2 cores): compile it once here, into the cache above, not inside a training step.
+if [ "${DS_ACCELERATOR:-}" = cpu ] && ! ls "$TORCH_EXTENSIONS_DIR"/deepspeed_shm_comm/*.so >/dev/null 2>&1; then
+  echo "== compiling DeepSpeed's CPU shared-memory op (once, about 40 s)"
+  "$venv/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 \
+    || echo "(DeepSpeed's shared-memory op did not compile here: the first DeepSpeed training tries again and says why)"
+fi

@@ -26,3 +26,12 @@ def runs_dir() -> Path:
     path = home_dir() / "runs"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def require_local(name_or_path: str, what: str, *, directory: bool = True) -> None:
+    """A model reference that names a local path (absolute, ``./``, ``~``), not a hub id, must exist:
+    ``FileNotFoundError`` naming ``what`` and the path otherwise."""
+    if name_or_path.startswith(("/", ".", "~")):
+        path = Path(name_or_path).expanduser()
+        if not (path.is_dir() if directory else path.exists()):
+            raise FileNotFoundError(f"{what}: {'directory ' if directory else ''}{name_or_path} does not exist")

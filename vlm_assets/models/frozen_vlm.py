@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from vlm_assets.models.qwen_patches import MERGE, PATCH, dense_to_packed
+from vlm_assets.paths import require_local
 
 IGNORE_INDEX = -100
 
@@ -43,8 +44,7 @@ class QwenVLBackbone(FrozenVLM):
         super().__init__()
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
 
-        if ("/" in name_or_path and name_or_path.startswith((".", "/", "~"))) and not Path(name_or_path).expanduser().is_dir():
-            raise FileNotFoundError(f"backbone: directory {name_or_path} does not exist")
+        require_local(name_or_path, "backbone")
         self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             name_or_path, dtype=dtype, attn_implementation="sdpa")
         self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)

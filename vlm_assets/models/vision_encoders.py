@@ -23,6 +23,8 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
+from vlm_assets.paths import require_local
+
 EncoderKind = Literal["clip", "qwen2_5_vl", "efficientnet_lite0"]
 # TensorFlow's EfficientNet-Lite preprocessing: (x - 127) / 128 on 0-255 pixels.
 _LITE_MEAN, _LITE_STD = 127.0 / 255.0, 128.0 / 255.0
@@ -103,7 +105,7 @@ class CLIPEncoder(VisionEncoder):
     def __init__(self, name_or_path: str):
         from transformers import CLIPImageProcessor, CLIPVisionModel
 
-        _check_directory(name_or_path, "clip")
+        require_local(name_or_path, "clip encoder")
         processor = CLIPImageProcessor.from_pretrained(name_or_path)
         super().__init__(list(processor.image_mean), list(processor.image_std))
         self.model = CLIPVisionModel.from_pretrained(name_or_path, dtype=torch.float32)
@@ -136,7 +138,7 @@ class QwenVisualEncoder(VisionEncoder):
 
         from vlm_assets.models.qwen_patches import MERGE, PATCH
 
-        _check_directory(name_or_path, "qwen2_5_vl")
+        require_local(name_or_path, "qwen2_5_vl encoder")
         if image_size % (PATCH * MERGE):
             raise ValueError(f"qwen2_5_vl encoder: image_size {image_size} must be a multiple of {PATCH * MERGE}")
         processor = Qwen2VLImageProcessor.from_pretrained(name_or_path)
@@ -186,11 +188,6 @@ class QwenVisualEncoder(VisionEncoder):
         encoder.image_size, encoder.hidden_size = meta["image_size"], meta["hidden_size"]
         encoder.num_tokens = (encoder.image_size // PATCH) ** 2 // (MERGE * MERGE)
         return encoder
-
-
-def _check_directory(name_or_path: str, kind: str) -> None:
-    if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().is_dir():
-        raise FileNotFoundError(f"{kind} encoder: directory {name_or_path} does not exist")
 
 
 _KINDS = {c.kind: c for c in (EfficientNetLite0Encoder, CLIPEncoder, QwenVisualEncoder)}

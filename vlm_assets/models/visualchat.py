@@ -28,6 +28,7 @@ from vlm_assets.models.frozen_vlm import IGNORE_INDEX
 from vlm_assets.models.projections import ProjectionKind, build_projection, tokens_out
 from vlm_assets.models.vision_encoders import EncoderKind, VisionEncoder, build_encoder, load_encoder
 from vlm_assets.models.visualchat_attention import Layout, attention_layout
+from vlm_assets.paths import require_local
 
 IMAGE_TOKEN = "<image>"
 SPEC_FILE = "visualchat.json"
@@ -86,7 +87,7 @@ class VisualChatModel(nn.Module):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         encoder = build_encoder(config.encoder_kind, config.encoder)
-        _check_directory(config.decoder, "decoder")
+        _check_decoder(config.decoder)
         tokenizer = AutoTokenizer.from_pretrained(config.decoder)
         decoder = AutoModelForCausalLM.from_pretrained(config.decoder, dtype=torch.float32)
         tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
@@ -149,6 +150,7 @@ class VisualChatModel(nn.Module):
     # -- forward -------------------------------------------------------------------------------------
     def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """(N, 3, S, S) pixels in [0, 1] -> (N, num_image_tokens, decoder width)."""
+        pixels = pixels.to(self.encoder.mean.dtype)  # the encoder's precision (bf16 under DeepSpeed on GPUs)
         if self._feature_cache is None:
             return self.projection(self.encoder(pixels))
         import hashlib
@@ -269,10 +271,7 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> 
     return int(order[torch.multinomial(ordered / ordered.sum(), 1, generator=generator)])
 
 
-def _check_directory(name_or_path: str, what: str) -> None:
-    if name_or_path.startswith(("/", ".", "~")):
-        path = Path(name_or_path).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"{what}: directory {name_or_path} does not exist")
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{what}: {name_or_path} is not a Hugging Face model directory (no config.json)")
+def _check_decoder(name_or_path: str) -> None:
+    require_local(name_or_path, "decoder")
+    if name_or_path.startswith(("/", ".", "~")) and not (Path(name_or_path).expanduser() / "config.json").is_file():
+        raise ValueError(f"decoder: {name_or_path} is not a Hugging Face model directory (no config.json)")

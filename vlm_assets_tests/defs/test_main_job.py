@@ -1,5 +1,6 @@
 """The README's main job, exactly as a user runs it: `dagster job execute` twice on the embedded default."""
 
+import json
 import os
 import re
 import subprocess
@@ -32,18 +33,27 @@ def test_main_job_materializes_the_graph_then_hits_the_cache(tmp_path, offline_d
 
     first, _ = _execute(env)
     assert "RUN_SUCCESS" in first
-    assert len(re.findall(r"ASSET_CHECK_EVALUATION - Asset check '\w+' on '\w+' passed", first)) == 13
+    assert len(re.findall(r"ASSET_CHECK_EVALUATION - Asset check '\w+' on '\w+' passed", first)) == 16
     artifacts = sorted(p.parent.relative_to(tmp_path / "home" / "artifacts").as_posix()
                        for p in (tmp_path / "home" / "artifacts").glob("*/*/_COMPLETE.json"))
     # registered_adapter keeps no artifact of its own: the MLflow registry is its record.
     assert [a.split("/")[0] for a in artifacts] == ["eval_report", "gpt_checkpoint", "occlusion_adapter",
-                                                    "occlusion_manifests", "token_shards"]
-    assert "occlusion_adapter@champion -> v1 (registered)" in first
+                                                    "occlusion_manifests", "token_shards", "visualchat_model"]
+    assert "occlusion_adapter@champion -> v1 (registered)" in first and "visualchat@champion -> v1 (registered)" in first
+    # The lineage: the GPT export is VisualChat's decoder, and the merged VisualChat model the adapter's backbone.
+    home = tmp_path / "home" / "artifacts"
+    (visualchat,) = [a for a in artifacts if a.startswith("visualchat_model/")]
+    (gpt,) = [a for a in artifacts if a.startswith("gpt_checkpoint/")]
+    assert json.loads((home / visualchat / "_COMPLETE.json").read_text())["metadata"]["metadata"]["decoder"] == str(home / gpt / "hf")
+    (adapter,) = [a for a in artifacts if a.startswith("occlusion_adapter/")]
+    assert json.loads((home / adapter / "backbone.json").read_text())["backbone"] == str(home / visualchat / "model")
+    assert re.search(r"merged model: VQA exact match [\d.]+% on 100 held-out images \(chance 10%\)", first)
     # The GPT trained on two torchrun nodes, one process each.
     assert re.search(r"\[launcher\] \S+: 2 node\(s\) x 1 process\(es\)", first)
     assert re.search(r"GPT \S+ .*, \w+ on 2 process\(es\)", first)
     assert (tmp_path / "home" / "mlflow.db").is_file()
 
     second, _ = _execute(env)
-    assert second.count("cache hit:") == 5 and "RUN_SUCCESS" in second
+    assert second.count("cache hit:") == 6 and "RUN_SUCCESS" in second
     assert "occlusion_adapter@champion -> v1 (already current)" in second
+    assert "visualchat@champion -> v1 (already current)" in second

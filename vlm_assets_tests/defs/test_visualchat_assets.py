@@ -124,4 +124,4 @@ def test_bad_input_fails_at_once_naming_the_file_line_or_field(pipeline, offline
     result = env.materialize(run_config(offline_data, models, {"zero_stage": 1}), raise_on_error=False)
     assert "field zero_stage: zero_stage 1 is not supported" in _failure(result)
     result = env.materialize(run_config(offline_data, models, {"decoder": str(tmp_path / "no-decoder")}), raise_on_error=False)
-    assert f"config field decoder: {tmp_path / 'no-decoder'} does not exist" in _failure(result)
+    assert f"config field decoder: directory {tmp_path / 'no-decoder'} does not exist" in _failure(result)

@@ -28,10 +28,14 @@ CIFAR = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse"
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, offline_data) -> Path:
+    return make_inputs(tmp_path_factory.mktemp("visualchat"), offline_data)
+
+
+def make_inputs(root: Path, offline_data: Path) -> Path:
+    """A tiny CLIP and Llama, Fashion-MNIST manifests and a CIFAR-10 chat JSONL under ``root``."""
     from vlm_assets.data.image_sources import load_fashion_mnist
     from vlm_assets.data.occlusion import BoxBounds, write_occlusion_manifests
 
-    root = tmp_path_factory.mktemp("visualchat")
     tiny_clip(root / "clip")
     tiny_decoder(root / "llama", offline_data)
     write_occlusion_manifests(load_fashion_mnist(offline_data / "fashion-mnist"), root / "manifests", num_train=40,
@@ -184,6 +188,21 @@ def test_a_zero_stage_other_than_2_or_3_is_refused_at_config_load(tmp_path, inpu
     run.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=f"{run}: field zero_stage: zero_stage 1 is not supported"):
         read_run_file(run, VisualChatTrainConfig)
+
+
+def test_images_by_http_url_load_like_the_same_files(tmp_path, offline_data):
+    """A chat record's images by http(s) URL (served on loopback) give the pixels of the same files."""
+    from vlm_assets_tests.conftest import serve_directory
+
+    files = sorted((offline_data / "cifar10-samples").glob("*.png"))[:2]
+    with serve_directory(files[0].parent) as (base, requests):
+        record = {"messages": [{"role": "user", "content": [{"type": "image", "image": f"{base}/{f.name}"} for f in files]
+                                + [{"type": "text", "text": "Which one is a cat?"}]},
+                               {"role": "assistant", "content": "Image 2"}]}
+        (loaded,) = vd.read_chat_jsonl(_jsonl(tmp_path, record), max_images=8)
+        pixels = torch.stack([vd.load_image(ref, 64) for ref in loaded.images])
+    assert loaded.images == [f"{base}/{f.name}" for f in files] and sorted(requests) == sorted(f"/{f.name}" for f in files)
+    assert torch.equal(pixels, torch.stack([vd.load_image(str(f), 64) for f in files]))
 
 
 def test_first_fit_packing_fills_rows_largest_first():

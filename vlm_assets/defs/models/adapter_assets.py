@@ -14,7 +14,7 @@ from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, late
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.memo import cache_key
-from vlm_assets.paths import runs_dir
+from vlm_assets.paths import require_local, runs_dir
 from vlm_assets.storage import ArtifactRef, ArtifactStore
 from vlm_assets.train.adapter_config import TINY_CLEAN, VISUALCHAT, AdapterTrainConfig
 from vlm_assets.train.run_config import RunPaths, write_run_file
@@ -24,8 +24,7 @@ class OcclusionAdapterConfig(AdapterTrainConfig, AssetConfig):
     """``AdapterTrainConfig`` as the asset's config: the same fields, constraints and defaults."""
 
     def check_values(self) -> None:
-        if self.backbone.startswith(("/", ".", "~")) and not Path(self.backbone).expanduser().is_dir():
-            raise FileNotFoundError(f"config field backbone: directory {self.backbone} does not exist")
+        require_local(self.backbone, "config field backbone")
 
 
 def preflight(config: OcclusionAdapterConfig, manifests: Path) -> None:

@@ -21,7 +21,7 @@ from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, late
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
-from vlm_assets.paths import runs_dir
+from vlm_assets.paths import require_local, runs_dir
 from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.run_config import RunPaths, write_run_file
 from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfig
@@ -33,10 +33,9 @@ class VisualChatAssetConfig(VisualChatTrainConfig, AssetConfig):
     """``VisualChatTrainConfig`` as the asset's config: the same fields, constraints and defaults."""
 
     def check_values(self) -> None:
-        for field in ("decoder", "encoder"):
-            value = getattr(self, field)
-            if value and value.startswith(("/", ".", "~")) and not Path(value).expanduser().exists():
-                raise FileNotFoundError(f"config field {field}: {value} does not exist")
+        require_local(self.decoder, "config field decoder")
+        if self.encoder is not None:  # efficientnet_lite0 takes a weights file, the others a directory
+            require_local(self.encoder, "config field encoder", directory=self.encoder_kind != "efficientnet_lite0")
         for path in self.chat_datasets:
             if not Path(path).expanduser().is_file():
                 raise FileNotFoundError(f"config field chat_datasets: {path} does not exist")

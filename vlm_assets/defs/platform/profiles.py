@@ -43,15 +43,16 @@ def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
         "VisualChatAssetConfig": {
             "decoder": "gpt_checkpoint", "encoder_kind": "efficientnet_lite0", "projection": "mlp",
             "freeze_modules": ["encoder"], "cache_image_features": True, "max_length": 256, "vqa_count": 800,
-            "pair_count": 100, "eval_fraction": 0.05, "micro_batch_size": 4, "global_batch_size": 8,
-            "nproc_per_node": 2, "lr": 3e-3, "warmup_steps": 10, "max_steps": 500, "eval_images": 100,
-            "checkpoint_every": 250, "log_every": 50,
+            "pair_count": 100, "eval_fraction": 0.05, "micro_batch_size": 8, "global_batch_size": 16,
+            "nproc_per_node": 2, "lr": 3e-3, "warmup_steps": 10, "max_steps": 300, "eval_images": 100,
+            "checkpoint_every": 150, "log_every": 50,
         },
         "VQACheckConfig": {"min_exact_match": 0.3},
         # The adapter at 56 px in front of that VisualChat model (frozen), on 2 processes.
         "OcclusionAdapterConfig": {
             "backbone": "visualchat", "image_size": 56, "epochs": 3, "lr": 5e-3,
             "micro_batch_size": 8, "global_batch_size": 16, "nproc_per_node": 2, "num_train": 480,
+            "num_validation": 200,
         },
         "EvalReportConfig": {"num_samples": 200, "batch_size": 50, "num_cards": 24},
         # Check settings are the checks' own config: changing one re-runs the check, not the asset.
