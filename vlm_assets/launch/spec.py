@@ -9,6 +9,10 @@ QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$"
 # Set by a launcher whose "nodes" share one host (vlm_assets._streaming reads it).
 SHARED_HOST_ENV = "VLM_ASSETS_NODES_SHARE_HOST"
 
+# A worker's exit code when it refused its input (sysexits' EX_DATAERR): torchrun's failure summary
+# carries it to the launcher, and a retry, which would fail the same way, is not made.
+BAD_INPUT_EXIT = 65
+
 
 @dataclasses.dataclass(frozen=True)
 class LaunchSpec:

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from vlm_assets.data import visualchat_data as vd
+from vlm_assets.launch.spec import BAD_INPUT_EXIT
 from vlm_assets.models.visualchat import VisualChatModel, decoder_positions
 from vlm_assets.models.visualchat_attention import attention_layout
 from vlm_assets.storage import store_from_spec
@@ -146,7 +148,11 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
     world = dist.get_world_size()
     model = build_model(config)
     manifests = Path(paths.inputs["occlusion_manifests"]) if "occlusion_manifests" in paths.inputs else None
-    rows, evaluation = build_samples(config, model, manifests)
+    try:
+        rows, evaluation = build_samples(config, model, manifests)
+    except (ValueError, FileNotFoundError) as err:  # a bad record or sample, named: every rank sees the same
+        print(f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(BAD_INPUT_EXIT) from None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     reporter.log(f"visualchat: {len(rows)} train rows, {len(evaluation)} eval samples; trains "
                  f"{', '.join(config.trained_modules())}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} "

@@ -6,8 +6,10 @@ where it was, and bad input fails at once naming the file, line or field. The de
 (`decoder: gpt_checkpoint`, and the merged model as the adapter's backbone) runs in `test_main_job`."""
 
 import json
+import re
 from pathlib import Path
 
+import dagster as dg
 import mlflow
 import pandas as pd
 import pytest
@@ -121,6 +123,12 @@ def test_bad_input_fails_at_once_naming_the_file_line_or_field(pipeline, offline
                    + "\n" + json.dumps({"messages": [{"role": "robot", "content": "hi"}]}) + "\n")
     result = env.materialize(run_config(offline_data, models, {"chat_datasets": {str(bad): None}}), raise_on_error=False)
     assert f"{bad}:2: unknown role 'robot'" in _failure(result)
+    long = tmp_path / "long.jsonl"  # found by the trainer (it needs the tokenizer): no retry either
+    long.write_text(json.dumps({"messages": [{"role": "user", "content": "word " * 400},
+                                             {"role": "assistant", "content": "ok"}]}) + "\n")
+    result = env.materialize(run_config(offline_data, models, {"chat_datasets": {str(long): None}}), raise_on_error=False)
+    assert re.search(rf"{re.escape(str(long))}:1: \d+ tokens .*more than max_length 256", _failure(result)), _failure(result)
+    assert not [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]
     result = env.materialize(run_config(offline_data, models, {"zero_stage": 1}), raise_on_error=False)
     assert "field zero_stage: zero_stage 1 is not supported" in _failure(result)
     result = env.materialize(run_config(offline_data, models, {"decoder": str(tmp_path / "no-decoder")}), raise_on_error=False)
