@@ -25,7 +25,9 @@ from pathlib import Path
 
 from vlm_assets.launch.spec import SHARED_HOST_ENV, LaunchSpec
 
-_TAIL_LINES = 40
+# Lines kept per node for the failure: torchrun's own traceback and summary alone are about 40 on a
+# 2-process node, and a trainer's BAD_INPUT line comes just before them.
+_TAIL_LINES = 100
 _GRACE_S = 15.0
 
 

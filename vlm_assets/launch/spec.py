@@ -1,7 +1,10 @@
 """What a training job needs, independent of where it runs (local torchrun processes or k8s pods)."""
 
+import contextlib
 import dataclasses
 import re
+import sys
+from collections.abc import Iterator
 
 # A Kubernetes resource quantity: "8", "500m", "64Gi".
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$"
@@ -9,9 +12,26 @@ QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$"
 # Set by a launcher whose "nodes" share one host (vlm_assets._streaming reads it).
 SHARED_HOST_ENV = "VLM_ASSETS_NODES_SHARE_HOST"
 
-# A worker's exit code when it refused its input (sysexits' EX_DATAERR): torchrun's failure summary
-# carries it to the launcher, and a retry, which would fail the same way, is not made.
+# A worker's exit code when it refused its input (sysexits' EX_DATAERR), after printing one line that
+# starts with BAD_INPUT and says why: torchrun's failure summary carries the code to the launcher,
+# which puts that line first in the failure and makes no retry (it would fail the same way).
 BAD_INPUT_EXIT = 65
+BAD_INPUT = "bad input: "
+
+
+class InputRefused(Exception):
+    """A trainer's input it cannot use (a bad record, a sample too long): see ``exit_on_refused_input``."""
+
+
+@contextlib.contextmanager
+def exit_on_refused_input() -> Iterator[None]:
+    """Around a trainer's main: ``InputRefused`` becomes one ``BAD_INPUT`` line and exit code 65. Put it
+    outside the Pipes context, so the line comes after what that context prints on its way out."""
+    try:
+        yield
+    except InputRefused as err:
+        print(f"{BAD_INPUT}{err}", file=sys.stderr, flush=True)
+        raise SystemExit(BAD_INPUT_EXIT) from None
 
 
 @dataclasses.dataclass(frozen=True)

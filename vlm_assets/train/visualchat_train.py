@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from vlm_assets.data import visualchat_data as vd
-from vlm_assets.launch.spec import BAD_INPUT_EXIT
+from vlm_assets.launch.spec import InputRefused, exit_on_refused_input
 from vlm_assets.models.visualchat import VisualChatModel, decoder_positions
 from vlm_assets.models.visualchat_attention import attention_layout
 from vlm_assets.storage import store_from_spec
@@ -136,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     if config.decoder == GPT_DECODER:  # the asset resolved the in-graph GPT export to a directory
         config = config.model_copy(update={"decoder": paths.input("decoder")})
     rank = int(os.environ.get("RANK", 0))
-    with Reporter.open(rank, paths.mlflow_tracking_uri, paths.mlflow_run_id) as reporter:
+    with exit_on_refused_input(), Reporter.open(rank, paths.mlflow_tracking_uri, paths.mlflow_run_id) as reporter:
         train(config, paths, rank, reporter)
 
 
@@ -151,8 +150,7 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
     try:
         rows, evaluation = build_samples(config, model, manifests)
     except (ValueError, FileNotFoundError) as err:  # a bad record or sample, named: every rank sees the same
-        print(f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(BAD_INPUT_EXIT) from None
+        raise InputRefused(f"{type(err).__name__}: {err}") from None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     reporter.log(f"visualchat: {len(rows)} train rows, {len(evaluation)} eval samples; trains "
                  f"{', '.join(config.trained_modules())}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} "

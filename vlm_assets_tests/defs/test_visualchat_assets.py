@@ -106,7 +106,7 @@ def test_a_rerun_hits_the_cache_and_a_failing_vqa_check_keeps_the_alias(pipeline
     assert checks["vqa_exact_match_meets_threshold"] is False and meta(strict, "visualchat_model")["cache"] == "hit"
     assert meta(strict, "registered_visualchat") is None  # blocked by the failed check
     mlflow.set_tracking_uri(env.uri)
-    assert mlflow.MlflowClient().get_model_version_by_alias("visualchat", "champion").version == "1"
+    assert str(mlflow.MlflowClient().get_model_version_by_alias("visualchat", "champion").version) == "1"
 
 
 def _failure(result) -> str:

@@ -21,7 +21,7 @@ from pydantic import Field
 from vlm_assets.launch import LaunchFailed, LaunchSpec, run_local
 from vlm_assets.launch.k8s import PodSettings
 from vlm_assets.launch.lifeline import die_with_parent
-from vlm_assets.launch.spec import BAD_INPUT_EXIT
+from vlm_assets.launch.spec import BAD_INPUT, BAD_INPUT_EXIT
 
 # The Dagster concurrency pool of every training step: its limit (dagster.yaml
 # ``concurrency.pools.default_limit``, or ``dagster instance concurrency set vlm_training N``) is how
@@ -51,17 +51,20 @@ def _without(category: type[Warning]) -> Iterator[None]:
 @contextlib.contextmanager
 def _as_step_failure() -> Iterator[None]:
     """A ``LaunchFailed`` as a ``dg.Failure`` naming the node, its exit code and last lines; retryable
-    unless a retry would fail the same way (the time limit, a request no node can hold)."""
+    unless a retry would fail the same way (the time limit, a request no node can hold, input the
+    trainer refused: then its reason comes first)."""
     try:
         yield
     except LaunchFailed as err:
         timed_out = not err.retryable and "timeout" in err.reason
-        bad_input = err.worker_exit_code == BAD_INPUT_EXIT  # the trainer refused its data: it names why above
+        bad_input = err.worker_exit_code == BAD_INPUT_EXIT
+        refused = dict.fromkeys(line[line.index(BAD_INPUT) + len(BAD_INPUT):] for line in err.tail if BAD_INPUT in line)
         raise dg.Failure(
             # A retry under the same time limit would spend it again: the user raises timeout_s (a
             # run field, outside the cache key) and the rerun resumes instead.
-            description=str(err) + ("\nRaise timeout_s and rerun: training resumes from the last "
-                                    "committed checkpoint of the same key." if timed_out else ""),
+            description="".join(f"{line}\n" for line in refused) + str(err) + (
+                "\nRaise timeout_s and rerun: training resumes from the last committed checkpoint of the same key."
+                if timed_out else ""),
             allow_retries=err.retryable and not bad_input,
             metadata={"node": err.node, "exit_code": err.exit_code if err.exit_code is not None else "none",
                       "worker_exit_code": err.worker_exit_code if err.worker_exit_code is not None else "n/a",
