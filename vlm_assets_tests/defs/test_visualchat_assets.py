@@ -22,6 +22,7 @@ from vlm_assets.defs.models.visualchat_assets import (
     visualchat_model,
     vqa_exact_match_meets_threshold,
 )
+from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets_tests.conftest import IsolatedEnv
 from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
 
@@ -133,3 +134,31 @@ def test_bad_input_fails_at_once_naming_the_file_line_or_field(pipeline, offline
     assert "field zero_stage: zero_stage 1 is not supported" in _failure(result)
     result = env.materialize(run_config(offline_data, models, {"decoder": str(tmp_path / "no-decoder")}), raise_on_error=False)
     assert f"config field decoder: directory {tmp_path / 'no-decoder'} does not exist" in _failure(result)
+
+
+def test_a_deps_upstream_is_read_from_this_run_before_a_newer_one_elsewhere(embedded, offline_data):
+    """`decoder: gpt_checkpoint` and `backbone: visualchat` read their upstream through `upstream_ref`:
+    this run's materialization of it wins over a newer one of another run (another config)."""
+    from vlm_assets.defs.platform.memo import upstream_ref
+
+    def manifests(num_train):
+        return {"ops": {"occlusion_manifests": {"config": {
+            "source": "fashion_mnist", "source_uri": str(offline_data / "fashion-mnist"), "num_train": num_train,
+            "num_validation": 10}}}}
+
+    other = embedded.materialize([occlusion_manifests], manifests(20))
+    other_key = meta(other, "occlusion_manifests")["cache_key"]
+
+    @dg.asset(deps=[occlusion_manifests])
+    def interloper(context: dg.AssetExecutionContext):  # another run's newer materialization, meanwhile
+        context.instance.report_runless_asset_event(dg.AssetMaterialization(
+            "occlusion_manifests", metadata={"cache_key": other_key}))
+
+    @dg.asset(deps=[interloper])
+    def reader(context: dg.AssetExecutionContext, artifact_store: ArtifactStoreResource) -> str:
+        return upstream_ref(context, artifact_store.get_store(), "occlusion_manifests").key
+
+    result = embedded.materialize([occlusion_manifests, interloper, reader], manifests(30))
+    assert result.output_for_node("reader") == meta(result, "occlusion_manifests")["cache_key"] != other_key
+    latest = embedded.instance.get_latest_materialization_event(dg.AssetKey("occlusion_manifests"))
+    assert latest.asset_materialization.metadata["cache_key"].value == other_key

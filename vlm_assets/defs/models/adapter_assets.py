@@ -10,7 +10,7 @@ import dagster as dg
 
 from vlm_assets.defs.platform.checks import artifact_scan
 from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher
-from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, latest_ref, materialize_memoized
+from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized, upstream_ref
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.memo import cache_key
@@ -77,7 +77,7 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
     store = artifact_store.get_store()
     upstream = {"occlusion_manifests": occlusion_manifests}
     if config.backbone == VISUALCHAT:
-        upstream["visualchat_model"] = latest_ref(context, store, "visualchat_model")
+        upstream["visualchat_model"] = upstream_ref(context, store, "visualchat_model")
     key = artifact_key(context, config, upstream)
 
     def build(staging: Path, run: TrackedRun) -> Built:

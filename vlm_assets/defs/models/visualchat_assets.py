@@ -17,7 +17,7 @@ import dagster as dg
 from pydantic import Field
 
 from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher
-from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, latest_ref, materialize_memoized
+from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized, upstream_ref
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
@@ -73,7 +73,7 @@ def visualchat_model(
     store = artifact_store.get_store()
     upstream = {"occlusion_manifests": occlusion_manifests}
     if config.decoder == GPT_DECODER:
-        upstream["gpt_checkpoint"] = latest_ref(context, store, "gpt_checkpoint")
+        upstream["gpt_checkpoint"] = upstream_ref(context, store, "gpt_checkpoint")
     key = artifact_key(context, config, upstream)
 
     def build(staging: Path, run: TrackedRun) -> Built:

@@ -81,10 +81,14 @@ def artifact_key(context: dg.AssetExecutionContext, config: dg.Config, upstream:
     return f"{name}/{cache_key(name, code_version, config.identity(), versions)}"
 
 
-def latest_ref(context: dg.AssetExecutionContext, store: ArtifactStore, asset: str) -> ArtifactRef:
-    """The artifact of ``asset``'s latest materialization: how an asset reads an upstream it names in
-    ``deps`` (an edge it reads only when its config says so), as an input would be loaded."""
-    event = context.instance.get_latest_materialization_event(dg.AssetKey(asset))
+def upstream_ref(context: dg.AssetExecutionContext, store: ArtifactStore, asset: str) -> ArtifactRef:
+    """How an asset reads an upstream it names in ``deps`` (an edge it reads only when its config says
+    so): the artifact of ``asset``'s materialization in this run if it has one, else of its latest.
+    (This run's first: another run may have materialized ``asset`` with another config meanwhile.)"""
+    asset_key = dg.AssetKey(asset)
+    in_run = [entry for entry in context.instance.all_logs(context.run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
+              if entry.dagster_event.asset_key == asset_key]
+    event = in_run[-1] if in_run else context.instance.get_latest_materialization_event(asset_key)
     key = event.asset_materialization.metadata.get("cache_key") if event is not None else None
     if key is None or not store.exists(key.value):
         raise ValueError(f"{context.asset_key.to_user_string()} reads {asset}, which has no materialized artifact "
