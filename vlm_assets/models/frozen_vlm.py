@@ -211,7 +211,6 @@ def _check_visualchat_lengths(directory: Path, first_line: dict, max_length: int
     from transformers import AutoConfig, AutoTokenizer
 
     from vlm_assets.data import visualchat_data as vd
-
     from vlm_assets.models.visualchat import decoder_positions
 
     spec = json.loads((directory / "visualchat.json").read_text())

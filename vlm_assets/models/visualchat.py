@@ -150,13 +150,13 @@ class VisualChatModel(nn.Module):
     # -- forward -------------------------------------------------------------------------------------
     def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """(N, 3, S, S) pixels in [0, 1] -> (N, num_image_tokens, decoder width)."""
-        pixels = pixels.to(self.encoder.mean.dtype)  # the encoder's precision (bf16 under DeepSpeed on GPUs)
         if self._feature_cache is None:
-            return self.projection(self.encoder(pixels))
+            return self.projection(self.encoder(pixels.to(self.encoder.mean.dtype)))  # bf16 under DeepSpeed on GPUs
         import hashlib
 
         cache = self._feature_cache
-        keys = [hashlib.blake2b(p.detach().cpu().numpy().tobytes(), digest_size=16).digest() for p in pixels]
+        keys = [hashlib.blake2b(p.detach().float().cpu().numpy().tobytes(), digest_size=16).digest() for p in pixels]
+        pixels = pixels.to(self.encoder.mean.dtype)
         missing: dict[bytes, int] = {}
         for i, key in enumerate(keys):
             if key not in cache:
