@@ -170,6 +170,31 @@ def test_efficientnet_lite0_gives_49_tokens_of_1280_from_pretrained_weights(offl
     assert features.std() > 0.1  # real weights, not an untrained net
 
 
+def test_a_frozen_encoder_stays_in_eval_mode_and_its_features_can_be_cached(tmp_path, offline_data):
+    """EfficientNet-Lite0 has batch norm: frozen, a training step must neither use batch statistics nor
+    move its running ones. Cached features equal computed ones, per image, in any order."""
+    from vlm_assets.data.visualchat_data import load_image
+
+    model = VisualChatModel.build(VisualChatModelConfig(decoder=str(tiny_decoder(tmp_path / "llama", offline_data))))
+    model.encoder.requires_grad_(False)
+    model.train()
+    assert model.decoder.training and not model.encoder.training
+    images = sorted((offline_data / "cifar10-samples").glob("*.png"))[:2]
+    pixels = torch.stack([load_image(str(p), 224) for p in images])
+    running = {k: v.clone() for k, v in model.encoder.state_dict().items() if "running" in k}
+    with torch.no_grad():
+        computed = model.image_features(pixels)
+        assert all(torch.equal(v, model.encoder.state_dict()[k]) for k, v in running.items())
+        model.cache_image_features()
+        first = model.image_features(pixels)
+        swapped = model.image_features(pixels[[1, 0, 1]])
+    assert len(model._feature_cache) == 2
+    assert torch.allclose(first, computed, atol=1e-5) and torch.equal(swapped, first[[1, 0, 1]])
+    model.encoder.requires_grad_(True)
+    with pytest.raises(ValueError, match="only be cached for a frozen encoder"):
+        model.cache_image_features()
+
+
 def test_a_decoder_directory_that_does_not_load_names_the_path(tmp_path):
     (tmp_path / "empty").mkdir()
     for path, error in ((tmp_path / "missing", "does not exist"), (tmp_path / "empty", "no config.json")):
