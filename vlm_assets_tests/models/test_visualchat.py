@@ -195,6 +195,17 @@ def test_a_frozen_encoder_stays_in_eval_mode_and_its_features_can_be_cached(tmp_
         model.cache_image_features()
 
 
+def test_an_encoder_that_does_not_load_names_the_path(tmp_path):
+    from vlm_assets.models.vision_encoders import build_encoder
+
+    (tmp_path / "empty").mkdir()
+    for kind, path in (("clip", tmp_path / "missing"), ("clip", tmp_path / "empty"), ("qwen2_5_vl", tmp_path / "missing"),
+                       ("efficientnet_lite0", tmp_path / "missing.pt")):
+        with pytest.raises((FileNotFoundError, OSError, ValueError)) as info:
+            build_encoder(kind, str(path))
+        assert str(path) in str(info.value), (kind, str(info.value))
+
+
 def test_a_decoder_directory_that_does_not_load_names_the_path(tmp_path):
     (tmp_path / "empty").mkdir()
     for path, error in ((tmp_path / "missing", "does not exist"), (tmp_path / "empty", "no config.json")):
