@@ -4,12 +4,11 @@
 fixed number of output tokens whatever the encoder's grid)."""
 
 import math
-from typing import Literal
 
 import torch
 import torch.nn as nn
 
-ProjectionKind = Literal["linear", "mlp", "perceiver"]
+from vlm_assets.models.visualchat_spec import ProjectionKind
 
 
 def sincos_2d(height: int, width: int, dim: int) -> torch.Tensor:

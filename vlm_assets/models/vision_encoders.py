@@ -18,14 +18,13 @@ loads back from it (``save`` / ``load_encoder``), so an exported VisualChat mode
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn as nn
 
+from vlm_assets.models.visualchat_spec import EncoderKind
 from vlm_assets.paths import require_local
 
-EncoderKind = Literal["clip", "qwen2_5_vl", "efficientnet_lite0"]
 # TensorFlow's EfficientNet-Lite preprocessing: (x - 127) / 128 on 0-255 pixels.
 _LITE_MEAN, _LITE_STD = 127.0 / 255.0, 128.0 / 255.0
 

@@ -3,7 +3,7 @@ train it. The torchrun entry point reads it from the run file (``--config run.js
 
 from pydantic import Field, field_validator
 
-from vlm_assets.models.visualchat import VisualChatModelConfig
+from vlm_assets.models.visualchat_spec import VisualChatModelConfig
 from vlm_assets.train.run_config import RunConfig, run_field
 
 MODULES = ("encoder", "projection", "decoder", "lora")

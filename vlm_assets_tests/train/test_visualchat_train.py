@@ -237,11 +237,13 @@ class Terminal:
     def read_until(self, marker: str, count: int = 1, timeout: float = 120) -> str:
         import select
 
+        poll = select.poll()  # not select(): late in a long session the pty's descriptor may be >= 1024
+        poll.register(self.fd, select.POLLIN)
         deadline = time.monotonic() + timeout
         while self.screen.count(marker) < count:
             if time.monotonic() > deadline:
                 raise AssertionError(f"no {marker!r} (x{count}) on the terminal after {timeout} s:\n{self.screen[-2000:]}")
-            if select.select([self.fd], [], [], 0.5)[0]:
+            if poll.poll(500):
                 self.screen += os.read(self.fd, 4096).decode(errors="replace")
         return self.screen
 
