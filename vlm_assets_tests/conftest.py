@@ -7,6 +7,7 @@ import http.server
 import io
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -70,6 +71,15 @@ class Embedded:
 
         return dg.materialize(assets, resources={**self.resources, **resources}, run_config=run_config or {},
                               instance=self.instance, raise_on_error=raise_on_error)
+
+
+def default_signals() -> None:
+    """``preexec_fn`` of a server a test stops with SIGTERM: the default SIGINT and SIGTERM. An ignored
+    signal stays ignored across exec, and this process's SIGINT may be ignored (a suite started in the
+    background by a shell, or left so by library code run in-process: Lightning ignores it after an
+    interrupt). `dagster dev` maps SIGTERM to its SIGINT handler, so it would then never stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def free_port() -> int:

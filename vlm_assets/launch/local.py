@@ -44,7 +44,10 @@ class LaunchFailed(RuntimeError):
 
     def __str__(self) -> str:
         worker = f", worker exit code {self.worker_exit_code}" if self.worker_exit_code is not None else ""
-        last = "\n".join(self.tail[-15:])
+        # The workers' own last lines (a traceback), which torchrun prefixes with their rank, rather than
+        # the agent's traceback and failure summary printed after them (the exit code is in line one).
+        workers = [line for line in self.tail if line.startswith("[rank")]
+        last = "\n".join((workers or self.tail)[-15:])
         return f"{self.reason}: node {self.node} exit code {self.exit_code}{worker}. Last lines of node {self.node}:\n{last}"
 
 

@@ -136,14 +136,22 @@ def main(argv: list[str] | None = None) -> None:
         config = config.model_copy(update={"decoder": paths.input("decoder")})
     rank = int(os.environ.get("RANK", 0))
     with exit_on_refused_input(), Reporter.open(rank, paths.mlflow_tracking_uri, paths.mlflow_run_id) as reporter:
-        train(config, paths, rank, reporter)
+        try:
+            train(config, paths, rank, reporter)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: Reporter) -> None:
     import deepspeed
 
     cuda = torch.cuda.is_available()
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    if cuda:  # NCCL bound to this rank's GPU (DeepSpeed's init_distributed takes no device; unbound, barriers warn)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")  # uses the group above when there is one
     world = dist.get_world_size()
     model = build_model(config)
     manifests = Path(paths.inputs["occlusion_manifests"]) if "occlusion_manifests" in paths.inputs else None
@@ -168,7 +176,8 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
     found = latest_checkpoint(store, paths.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
     if found is not None:
         directory = found[1].parent
-        _, client = engine.load_checkpoint(str(directory))  # the tag its `latest` file names
+        # the tag its `latest` file names; the frozen weights are not in it (below): they are the model's as built
+        _, client = engine.load_checkpoint(str(directory), load_module_strict=False)
         state.update(client["visualchat"], resumed_from_step=client["visualchat"]["step"])
         reporter.log(f"resumed at step {state['step']} from {found[0]}")
     if state["baseline_eval_loss"] is None:
@@ -177,18 +186,18 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
     order = RowOrder(len(rows), config.micro_batch_size, world, rank, config.seed)
     accumulation = config.accumulation(world)
     loggers = reporter.loggers()
-    started, start_step, tokens = time.perf_counter(), state["step"], torch.zeros(())
+    started, start_step, tokens = time.perf_counter(), state["step"], torch.zeros((), device=engine.device)
     while state["step"] < config.max_steps:
         losses = []
         for _ in range(accumulation):
-            batch = vd.collate([rows[i] for i in order.rows(state["position"])], pad, size)
+            batch = on_device(vd.collate([rows[i] for i in order.rows(state["position"])], pad, size), engine.device)
             state["position"] += 1
             with attention_layout(model.layout(batch["input_ids"], batch["segments"])):  # backward recomputes
                 loss = engine(**batch).loss
                 engine.backward(loss)
             engine.step()
             losses.append(loss.detach())
-            tokens += int((batch["segments"] > 0).sum())
+            tokens += (batch["segments"] > 0).sum()
         step_loss = torch.stack(losses).mean()
         dist.all_reduce(step_loss)
         state["step"] += 1
@@ -216,11 +225,18 @@ def save_checkpoint(engine, state: dict, cache: Path, committer: StoreCheckpoint
     local = [str(cache / "staging")] if rank == 0 else [None]
     dist.broadcast_object_list(local, src=0)
     tag = f"step-{state['step']:08d}"
-    engine.save_checkpoint(str(Path(local[0]) / tag), tag=tag, client_state={"visualchat": dict(state)})
+    # Trained weights only: a frozen 7B decoder would make every checkpoint 14 GB, a LoRA one is megabytes.
+    engine.save_checkpoint(str(Path(local[0]) / tag), tag=tag, client_state={"visualchat": dict(state)},
+                           exclude_frozen_parameters=True)
     dist.barrier()
     if rank == 0:
         committer.commit(Path(local[0]) / tag, state["step"], 0)
     dist.barrier()
+
+
+def on_device(batch: dict[str, torch.Tensor | None], device: torch.device) -> dict[str, torch.Tensor | None]:
+    """A collated batch (built on the CPU) on the engine's device."""
+    return {k: None if v is None else v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 @torch.no_grad()
@@ -230,7 +246,7 @@ def evaluate(engine, samples: list[vd.Sample], pad: int, size: int) -> float:
     total, count = 0.0, 0
     for at in range(0, len(samples), EVAL_BATCH):
         chunk = samples[at: at + EVAL_BATCH]
-        batch = vd.collate([[s] for s in chunk], pad, size)
+        batch = on_device(vd.collate([[s] for s in chunk], pad, size), engine.device)
         tokens = int((batch["labels"][:, 1:] != vd.IGNORE_INDEX).sum())
         total += float(engine(**batch).loss) * tokens
         count += tokens

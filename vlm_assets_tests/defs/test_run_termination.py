@@ -15,7 +15,7 @@ import pytest
 import requests
 from mlflow import MlflowClient
 
-from vlm_assets_tests.conftest import free_port, training_workers
+from vlm_assets_tests.conftest import default_signals, free_port, training_workers
 from vlm_assets_tests.defs.test_gpt_assets import run_config
 
 pytestmark = pytest.mark.slow
@@ -111,7 +111,7 @@ def dev(request, tmp_path_factory, offline_data):
     with open(tmp_path / "dev.log", "w") as log:
         server = subprocess.Popen([sys.executable, "-m", "dagster", "dev", "-w", "workspace.yaml", "-h", "127.0.0.1",
                                    "-p", str(port)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+                                  start_new_session=True, preexec_fn=default_signals)
     try:
         def up():
             try:
@@ -124,11 +124,17 @@ def dev(request, tmp_path_factory, offline_data):
                   request.param, pods)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        try:
+            server.wait(timeout=60)
+            stuck = None
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            stuck = (tmp_path / "dev.log").read_text()[-2000:]
         if namespace:
             left = pods()
             core.delete_namespace(namespace)
             assert not left, f"pods left in {namespace}: {left}"
+        assert stuck is None, f"`dagster dev` did not stop within 60 s of SIGTERM; its log ends:\n{stuck}"
 
 
 def test_a_run_terminated_through_graphql_is_canceled_and_leaves_nothing_running(dev):

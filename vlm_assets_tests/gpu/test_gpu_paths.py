@@ -1,6 +1,6 @@
 """The GPU paths, each the twin of a CPU test that CI runs: FSDP2 bf16 and DDP on NCCL through the
-asset and the launcher, the adapter's DeepSpeed ZeRO-2 + bf16, VisualChat's DeepSpeed ZeRO-2 and ZeRO-3 +
-bf16, and ``torch.compile`` of the GPT.
+asset and the launcher, the adapter's DeepSpeed ZeRO-2 + bf16, and ``torch.compile`` of the GPT
+(VisualChat's in ``test_gpu_visualchat``, which needs no dagster or MLflow).
 
 Run with ``scripts/gpu-check.sh`` (or ``pytest -m gpu``) on a CUDA machine; ``scripts/test.sh``
 deselects them where no CUDA device is present (they are then not run, and not counted as passed).
@@ -13,16 +13,9 @@ import torch
 
 from vlm_assets_tests.defs import test_adapter_assets as adapter_cpu
 from vlm_assets_tests.defs import test_gpt_assets as gpt_cpu
+from vlm_assets_tests.gpu.conftest import GPUS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
-
-GPUS = torch.cuda.device_count()
-
-
-@pytest.fixture(autouse=True)
-def _needs_cuda():
-    if not torch.cuda.is_available():
-        pytest.fail("a gpu-marked test ran without CUDA: select it only on a GPU machine (-m gpu)")
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
@@ -67,21 +60,3 @@ def test_torch_compile_matches_eager():
     assert compiled_loss.item() == pytest.approx(eager_loss.item(), rel=2e-2)
     compiled_loss.backward()
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_visualchat_deepspeed_bf16(stage, visualchat_inputs, tmp_path):
-    """The CPU twins: test_visualchat_train (ZeRO-2 and ZeRO-3 on gloo, 2 processes, fp32)."""
-    from vlm_assets_tests.train import test_visualchat_train as visualchat_cpu
-
-    config = visualchat_cpu.config(visualchat_inputs, zero_stage=stage, nproc_per_node=GPUS, micro_batch_size=4 // GPUS
-                                   if 4 % GPUS == 0 else 1, global_batch_size=4 if 4 % GPUS == 0 else GPUS)
-    result = visualchat_cpu.train(visualchat_inputs, tmp_path, config)
-    visualchat_cpu.check_trained_and_exported(result, tmp_path / "out", visualchat_inputs)
-
-
-@pytest.fixture(scope="module")
-def visualchat_inputs(tmp_path_factory, offline_data):
-    from vlm_assets_tests.train.test_visualchat_train import make_inputs
-
-    return make_inputs(tmp_path_factory.mktemp("visualchat"), offline_data)
