@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from vlm_assets.data import visualchat_data as vd
 from vlm_assets.launch.spec import InputRefused, exit_on_refused_input
@@ -190,7 +191,8 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
     while state["step"] < config.max_steps:
         losses = []
         for _ in range(accumulation):
-            batch = on_device(vd.collate([rows[i] for i in order.rows(state["position"])], pad, size), engine.device)
+            rows_now = [rows[i] for i in order.rows(state["position"])]
+            batch = move_data_to_device(vd.collate(rows_now, pad, size), engine.device)
             state["position"] += 1
             with attention_layout(model.layout(batch["input_ids"], batch["segments"])):  # backward recomputes
                 loss = engine(**batch).loss
@@ -234,11 +236,6 @@ def save_checkpoint(engine, state: dict, cache: Path, committer: StoreCheckpoint
     dist.barrier()
 
 
-def on_device(batch: dict[str, torch.Tensor | None], device: torch.device) -> dict[str, torch.Tensor | None]:
-    """A collated batch (built on the CPU) on the engine's device."""
-    return {k: None if v is None else v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
 @torch.no_grad()
 def evaluate(engine, samples: list[vd.Sample], pad: int, size: int) -> float:
     """Mean answer-token loss over the held-out samples (every rank the same, sharded or not)."""
@@ -246,7 +243,7 @@ def evaluate(engine, samples: list[vd.Sample], pad: int, size: int) -> float:
     total, count = 0.0, 0
     for at in range(0, len(samples), EVAL_BATCH):
         chunk = samples[at: at + EVAL_BATCH]
-        batch = on_device(vd.collate([[s] for s in chunk], pad, size), engine.device)
+        batch = move_data_to_device(vd.collate([[s] for s in chunk], pad, size), engine.device)
         tokens = int((batch["labels"][:, 1:] != vd.IGNORE_INDEX).sum())
         total += float(engine(**batch).loss) * tokens
         count += tokens
