@@ -119,7 +119,7 @@ def render(record: ChatRecord, tokenizer, image_token_id: int, num_image_tokens:
         labels.extend(tokens if learn else [IGNORE_INDEX] * len(tokens))
 
     system = [m for m in record.messages if m["role"] == "system"]
-    add(f"### System: {_text(system[0]['content']) if system else DEFAULT_SYSTEM}\n")
+    add(f"### System: {text_of(system[0]['content']) if system else DEFAULT_SYSTEM}\n")
     image_no = 0
     for message in record.messages:
         if message["role"] == "user":
@@ -130,11 +130,11 @@ def render(record: ChatRecord, tokenizer, image_token_id: int, num_image_tokens:
                     ids.extend([image_token_id] * num_image_tokens)
                     labels.extend([IGNORE_INDEX] * num_image_tokens)
                     add("\n")
-            if text := _text(message["content"]):
+            if text := text_of(message["content"]):
                 add(f"### Question: {text}\n")
         elif message["role"] == "assistant":
             add("### Answer: ")
-            add(_text(message["content"]), learn=True)
+            add(text_of(message["content"]), learn=True)
             ids.append(tokenizer.eos_token_id)
             labels.append(tokenizer.eos_token_id)
             add("\n")
@@ -152,14 +152,24 @@ def prompt_ids(messages: list[dict], tokenizer, image_token_id: int, num_image_t
     return render(record, tokenizer, image_token_id, num_image_tokens, max_length=10 ** 9, open_answer=True).ids
 
 
-def _text(content) -> str:
+def text_of(content) -> str:
+    """The text parts of a message's content, joined."""
     return " ".join(p["text"] for p in _parts(content) if p["type"] == "text").strip()
 
 
 # -- the occlusion manifests as chat data ------------------------------------------------------------
-def manifest_records(root: Path, split: str, *, pairs: int = 0, seed: int = 0) -> list[ChatRecord]:
+# Other ways to ask what an image shows, for ``phrased`` VQA records; the evaluation's held-out phrasings
+# (``vlm_assets.evaluate.visualchat_eval.HELD_OUT_PHRASINGS``) are none of these.
+TRAIN_PHRASINGS = ("What is shown?", "What is in this image?", "Which item is this?", "What kind of item is pictured?",
+                   "Identify the object.", "What clothing item or accessory is this?", "Tell me what this is.",
+                   "Classify this picture.", "What does the image show?", "What is it?")
+
+
+def manifest_records(root: Path, split: str, *, pairs: int = 0, phrased: int = 0, seed: int = 0) -> list[ChatRecord]:
     """Each clean image as VQA (the manifest row's own prompt, the question the occlusion adapter's
-    backbone is asked, -> class name), then ``pairs`` two-image, two-round conversations ("Which of these is a <class>?" -> "Image N", then "And the other one?" -> its class)."""
+    backbone is asked, -> class name), then ``pairs`` two-image, two-round conversations ("Which of these
+    is a <class>?" -> "Image N", then "And the other one?" -> its class), then ``phrased`` one-image
+    records asked one of ``TRAIN_PHRASINGS`` (seeded images and phrasings)."""
     images = root / "images" / f"{split}.npy"
     rows = [json.loads(line) for line in (root / f"{split}.jsonl").read_text().splitlines()]
     records = []
@@ -185,6 +195,12 @@ def manifest_records(root: Path, split: str, *, pairs: int = 0, seed: int = 0) -
             {"role": "assistant", "content": f"Image {target + 1}"},
             {"role": "user", "content": "And the other one?"},
             {"role": "assistant", "content": other}], refs, f"{root / split}.jsonl:pairs"))
+    for _ in range(phrased):
+        i = rng.randrange(len(rows))
+        ref = f"{images}#{rows[i]['index']}"
+        records.append(ChatRecord([
+            {"role": "user", "content": [{"type": "image", "image": ref}, {"type": "text", "text": rng.choice(TRAIN_PHRASINGS)}]},
+            {"role": "assistant", "content": rows[i]["label"]}], [ref], f"{root / split}.jsonl:{i + 1}"))
     return records
 
 

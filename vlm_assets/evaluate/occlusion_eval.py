@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from vlm_assets.evaluate.stats import paired_gain, wilson_interval
 from vlm_assets.models.frozen_vlm import FrozenVLM, normalize_answer
 from vlm_assets.models.occlusion_adapter import OcclusionAdapter
 from vlm_assets.progress import report_progress
@@ -35,9 +36,13 @@ class EvalResult:
     labels: list[int]
     predictions: dict[str, list[str]]  # condition -> decoded answers
 
-    def accuracy(self, condition: str, lenient: bool = False) -> float:
+    def hits(self, condition: str, lenient: bool = False) -> list[bool]:
+        """Per image: did ``condition``'s answer match the label."""
         match = lenient_match if lenient else exact_match
-        hits = [match(p, self.class_names[y]) for p, y in zip(self.predictions[condition], self.labels)]
+        return [match(p, self.class_names[y]) for p, y in zip(self.predictions[condition], self.labels)]
+
+    def accuracy(self, condition: str, lenient: bool = False) -> float:
+        hits = self.hits(condition, lenient)
         return float(np.mean(hits)) if hits else 0.0
 
     def predicted_index(self, condition: str) -> list[int]:
@@ -57,12 +62,24 @@ class EvalResult:
         return [float(matrix[c, c] / matrix[c].sum()) if matrix[c].sum() else float("nan") for c in range(len(self.class_names))]
 
     def summary(self) -> dict[str, float]:
-        out = {}
+        """Accuracies with their 95 % Wilson intervals, and the adapter's paired gain over the identity on
+        the same images: 95 % paired-bootstrap interval, exact McNemar p-value, wins and losses."""
+        out: dict[str, float] = {"num_samples": len(self.labels)}
         for condition in CONDITIONS:
+            hits = self.hits(condition)
             out[f"accuracy_{condition}"] = self.accuracy(condition)
+            if hits:
+                low, high = wilson_interval(sum(hits), len(hits))
+                out[f"accuracy_{condition}_ci95_low"], out[f"accuracy_{condition}_ci95_high"] = low, high
             out[f"lenient_accuracy_{condition}"] = self.accuracy(condition, lenient=True)
         out["adapter_gain"] = out["accuracy_adapter"] - out["accuracy_identity"]
-        out["num_samples"] = len(self.labels)
+        if self.labels:
+            gain = paired_gain(self.hits("adapter"), self.hits("identity"))
+            out.update(adapter_gain_ci95_low=gain.ci95[0], adapter_gain_ci95_high=gain.ci95[1],
+                       adapter_gain_p_value=gain.p_value, adapter_wins=gain.wins, adapter_losses=gain.losses)
+        gap = out["accuracy_clean"] - out["accuracy_identity"]
+        if gap > 0:  # the share of what the occlusion costs that the adapter gives back
+            out["gap_recovered"] = out["adapter_gain"] / gap
         return out
 
 

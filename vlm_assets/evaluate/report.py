@@ -31,8 +31,8 @@ def loss_curves_png(epochs: list[dict]) -> bytes:
     x = [e["epoch"] + 1 for e in epochs]
     for key, style in (("train/loss", "-o"), ("val/loss", "-s"), ("train/lm_loss", ":"), ("val/lm_loss", ":"),
                        ("val/reconstruction_loss", "--")):
-        if epochs and key in epochs[0]:
-            ax.plot(x, [e[key] for e in epochs], style, label=key)
+        if any(key in e for e in epochs):  # train/lm_loss is absent from reconstruction warm-up epochs
+            ax.plot(x, [e.get(key, float("nan")) for e in epochs], style, label=key)
     ax.set(xlabel="epoch", ylabel="loss", title="adapter training")
     ax.legend()
     ax.grid(alpha=0.3)
@@ -46,7 +46,11 @@ def accuracy_png(summary: dict[str, float]) -> bytes:
     strict = [summary[f"accuracy_{k}"] for k in keys]
     lenient = [summary[f"lenient_accuracy_{k}"] for k in keys]
     pos = np.arange(3)
-    ax.bar(pos - 0.2, strict, 0.4, label="exact match")
+    errors = None
+    if all(f"accuracy_{k}_ci95_low" in summary for k in keys):  # the Wilson intervals as error bars
+        errors = np.array([[s - summary[f"accuracy_{k}_ci95_low"], summary[f"accuracy_{k}_ci95_high"] - s]
+                           for k, s in zip(keys, strict)]).T
+    ax.bar(pos - 0.2, strict, 0.4, yerr=errors, capsize=4, label="exact match (95% CI)")
     ax.bar(pos + 0.2, lenient, 0.4, label="lenient match")
     ax.set_xticks(pos, names)
     ax.set(ylim=(0, 1), ylabel="accuracy", title=f"adapter gain {summary['adapter_gain']:+.1%} (exact match)")
@@ -75,11 +79,30 @@ def _image(pixels: torch.Tensor, size: int = 96) -> str:
     return data_uri(buf.getvalue())
 
 
+def interval(summary: dict[str, float], name: str) -> str:
+    """``[low, high]`` of ``name``'s 95 % interval in the summary, in percent."""
+    low, high = summary.get(f"{name}_ci95_low"), summary.get(f"{name}_ci95_high")
+    return "" if low is None else f"[{low:.1%}, {high:.1%}]"
+
+
+def gain_sentence(summary: dict[str, float]) -> str:
+    """The adapter's paired gain with its uncertainty, in one line of plain text."""
+    text = f"Adapter gain (exact match): {summary['adapter_gain']:+.1%}"
+    if "adapter_gain_ci95_low" in summary:
+        text += (f", 95% CI [{summary['adapter_gain_ci95_low']:+.1%}, {summary['adapter_gain_ci95_high']:+.1%}] "
+                 f"(paired bootstrap), McNemar p = {summary['adapter_gain_p_value']:.2g} "
+                 f"({summary['adapter_wins']:.0f} images won, {summary['adapter_losses']:.0f} lost)")
+    if "gap_recovered" in summary:
+        text += f"; {summary['gap_recovered']:.0%} of the clean-minus-occluded gap recovered"
+    return text + f"; {summary['num_samples']:.0f} images."
+
+
 def markdown_table(summary: dict[str, float]) -> str:
-    rows = ["| condition | exact match | lenient match |", "|---|---:|---:|"]
+    rows = ["| condition | exact match | 95% CI (Wilson) | lenient match |", "|---|---:|---:|---:|"]
     for c in CONDITIONS:
-        rows.append(f"| {c} | {summary[f'accuracy_{c}']:.1%} | {summary[f'lenient_accuracy_{c}']:.1%} |")
-    rows.append(f"\nAdapter gain (exact match): **{summary['adapter_gain']:+.1%}** on {summary['num_samples']} images.")
+        rows.append(f"| {c} | {summary[f'accuracy_{c}']:.1%} | {interval(summary, f'accuracy_{c}')} "
+                    f"| {summary[f'lenient_accuracy_{c}']:.1%} |")
+    rows.append(f"\n{gain_sentence(summary)}")
     return "\n".join(rows)
 
 
@@ -92,8 +115,8 @@ def html_report(result: EvalResult, epochs: list[dict], cards: list[dict], title
         "<tr>" + f"<td>{e['epoch'] + 1}</td>" + "".join(f"<td>{e.get(k, float('nan')):.4f}</td>" for k in epoch_keys) + "</tr>"
         for e in epochs)
     summary_rows = "".join(
-        f"<tr><td>{c}</td><td>{summary[f'accuracy_{c}']:.1%}</td><td>{summary[f'lenient_accuracy_{c}']:.1%}</td></tr>"
-        for c in CONDITIONS)
+        f"<tr><td>{c}</td><td>{summary[f'accuracy_{c}']:.1%}</td><td>{interval(summary, f'accuracy_{c}')}</td>"
+        f"<td>{summary[f'lenient_accuracy_{c}']:.1%}</td></tr>" for c in CONDITIONS)
     per_class = "".join(
         f"<tr><td>{esc(name)}</td>" + "".join(f"<td>{result.per_class(c)[i]:.0%}</td>" for c in CONDITIONS) + "</tr>"
         for i, name in enumerate(result.class_names))
@@ -108,8 +131,9 @@ body{{font-family:sans-serif;margin:2em;max-width:1100px}} table{{border-collaps
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} .card{{display:inline-block;margin:6px;padding:6px;
 border:1px solid #ddd;width:310px;vertical-align:top}} .card img{{margin:2px}} .ok{{color:#070}} .bad{{color:#b00}}
 </style></head><body><h1>{esc(title)}</h1>
-<h2>Evaluation summary</h2><table><tr><th>condition</th><th>exact match</th><th>lenient match</th></tr>{summary_rows}</table>
-<p>Adapter gain (exact match): <b>{summary['adapter_gain']:+.1%}</b> on {summary['num_samples']} images.</p>
+<h2>Evaluation summary</h2><table><tr><th>condition</th><th>exact match</th><th>95% CI (Wilson)</th><th>lenient match</th>
+</tr>{summary_rows}</table>
+<p><b>{esc(gain_sentence(summary))}</b></p>
 <img src="{data_uri(accuracy_png(summary))}">
 <h2>Training</h2><img src="{data_uri(loss_curves_png(epochs))}">
 <table><tr><th>epoch</th>{''.join(f'<th>{esc(k)}</th>' for k in epoch_keys)}</tr>{epoch_rows}</table>

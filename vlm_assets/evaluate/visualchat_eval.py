@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from vlm_assets.data import visualchat_data as vd
+from vlm_assets.evaluate.stats import wilson_interval
 from vlm_assets.models.frozen_vlm import normalize_answer
 from vlm_assets.models.visualchat import VisualChatModel
 
@@ -17,18 +18,41 @@ def answer(model: VisualChatModel, messages: list[dict], images: list[str], max_
     return model.reply(messages, pixels, max_new_tokens)
 
 
-def vqa_exact_match(model: VisualChatModel, manifests: Path, split: str, count: int | None = None) -> dict:
-    """Exact match (normalised as the adapter's eval does) of the answers to the manifest's prompt on the
-    first ``count`` images of ``split``, with the predictions."""
+# Questions never asked in training (the manifest's prompt and ``visualchat_data.TRAIN_PHRASINGS`` are):
+# how a person might ask. The eval reports their exact match beside the template's.
+HELD_OUT_PHRASINGS = ("What is this?", "Name the item.", "Can you tell what this picture shows?",
+                      "Which piece of clothing or accessory do you see?", "What do you see?")
+
+
+def vqa_exact_match(model: VisualChatModel, manifests: Path, split: str, count: int | None = None,
+                    questions: tuple[str, ...] | None = None) -> dict:
+    """Exact match (normalised as the adapter's eval does) of the answers on the first ``count`` images of
+    ``split``, with the 95 % Wilson interval and the predictions. Each image is asked the manifest's prompt,
+    or with ``questions`` image ``i`` is asked ``questions[i % len(questions)]`` (each asked about as often)."""
     records = [r for r in vd.manifest_records(manifests, split) if len(r.images) == 1][:count]
     predictions = []
-    for record in records:
-        predicted = answer(model, record.messages[:1], record.images)
-        predictions.append({"label": record.messages[1]["content"], "predicted": predicted})
+    for i, record in enumerate(records):
+        messages = record.messages[:1]
+        if questions:
+            question = questions[i % len(questions)]
+            messages = [{"role": "user", "content": [messages[0]["content"][0], {"type": "text", "text": question}]}]
+        predicted = answer(model, messages, record.images)
+        predictions.append({"label": record.messages[1]["content"], "predicted": predicted,
+                            "question": vd.text_of(messages[0]["content"])})
     hits = sum(normalize_answer(p["predicted"]) == normalize_answer(p["label"]) for p in predictions)
+    if not predictions:
+        raise ValueError(f"no single-image records in {manifests}/{split}.jsonl to evaluate")
     classes = len(json.loads((manifests / "dataset.json").read_text())["class_names"])
-    return {"exact_match": hits / max(len(predictions), 1), "chance": 1 / classes, "num_images": len(predictions),
-            "predictions": predictions}
+    return {"exact_match": hits / len(predictions), "ci95": list(wilson_interval(hits, len(predictions))),
+            "chance": 1 / classes, "num_images": len(predictions), "predictions": predictions}
+
+
+def vqa_report(model: VisualChatModel, manifests: Path, split: str, count: int | None = None) -> dict:
+    """VQA exact match asked the training template's prompt and asked held-out phrasings, each with its
+    interval, on the same images."""
+    template = vqa_exact_match(model, manifests, split, count)
+    phrased = vqa_exact_match(model, manifests, split, count, questions=HELD_OUT_PHRASINGS)
+    return {"chance": template["chance"], "vqa": {"template": template, "held_out_phrasings": phrased}}
 
 
 def two_image_conversation(model: VisualChatModel, manifests: Path, split: str = "validation") -> list[dict]:

@@ -9,7 +9,6 @@ through the same ``preprocess`` as training and evaluation.
 
 import base64
 import io
-import json
 
 import mlflow.pyfunc
 import numpy as np
@@ -22,18 +21,12 @@ from vlm_assets.data.occlusion_dataset import decode_png, preprocess
 
 class OcclusionAdapterPredictor(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
-        from safetensors.torch import load_file
-
         from vlm_assets.models.frozen_vlm import load_backbone
-        from vlm_assets.models.occlusion_adapter import OcclusionAdapter
+        from vlm_assets.models.occlusion_adapter import load_adapter
 
-        with open(context.artifacts["backbone"]) as f:
-            info = json.load(f)
+        self.adapter, info = load_adapter(context.artifacts["adapter"], context.artifacts["backbone"])
         self.prompt, self.image_size = info["prompt"], info["image_size"]
         self.backbone = load_backbone(info["backbone"], max_length=info["max_length"])
-        self.adapter = OcclusionAdapter()
-        self.adapter.load_state_dict(load_file(context.artifacts["adapter"]))
-        self.adapter.eval()
 
     # A DataFrame hint: MLflow then validates against the signature logged with the model (a base64
     # PNG column and a box column, eval_assets) instead of inferring one from the hint.

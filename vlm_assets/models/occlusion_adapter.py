@@ -1,10 +1,18 @@
 """The occlusion adapter (pure torch): a small residual Conv2d network in front of a frozen VLM.
 
-Exactly the seed's architecture. Input: the occluded RGB image and the binary occlusion mask
-(1 inside the box). Output: ``pixels + tanh(gate) * residual``, where the residual comes from
-Conv2d 4->32 3x3, GELU, Conv2d 32->32 3x3, GELU, Conv2d 32->3 1x1, Tanh, and ``gate`` is a learnable
-scalar starting at 0.10, so training starts close to the identity. 10,532 parameters.
+The seed's architecture and its 10,532 parameters. Input: the occluded RGB image and the binary
+occlusion mask (1 inside the box). One step: ``pixels + tanh(gate) * residual``, where the residual comes
+from Conv2d 4->32 3x3, GELU, Conv2d 32->32 3x3, GELU, Conv2d 32->3 1x1, Tanh, and ``gate`` is a learnable
+scalar starting at 0.10, so training starts close to the identity.
+
+``steps`` applies that same step several times (weight-tied, no new parameters). One step sees 5x5 pixels
+(two 3x3 convolutions), so it can change a box only within 2 pixels of its edge and must fill the rest of
+the box with one learned constant; ``k`` steps reach ``2k`` pixels in, so the adapter can carry the
+surrounding image into the box as an inpainting does. The seed's is ``steps=1``.
 """
+
+import json
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -13,8 +21,11 @@ NUM_PARAMETERS = 10_532
 
 
 class OcclusionAdapter(nn.Module):
-    def __init__(self, hidden: int = 32, gate_init: float = 0.10):
+    def __init__(self, hidden: int = 32, gate_init: float = 0.10, steps: int = 1):
         super().__init__()
+        if steps < 1:
+            raise ValueError(f"steps must be at least 1, got {steps}")
+        self.steps = steps
         self.net = nn.Sequential(
             nn.Conv2d(4, hidden, 3, padding=1), nn.GELU(),
             nn.Conv2d(hidden, hidden, 3, padding=1), nn.GELU(),
@@ -29,5 +40,18 @@ class OcclusionAdapter(nn.Module):
         if mask.shape != (pixels.shape[0], 1, *pixels.shape[2:]):
             raise ValueError(f"mask must be (batch, 1, height, width) = {(pixels.shape[0], 1, *pixels.shape[2:])}, "
                              f"got {tuple(mask.shape)}")
-        residual = self.net(torch.cat([pixels, mask.to(pixels.dtype)], dim=1))
-        return pixels + torch.tanh(self.gate) * residual
+        mask = mask.to(pixels.dtype)
+        for _ in range(self.steps):
+            pixels = pixels + torch.tanh(self.gate) * self.net(torch.cat([pixels, mask], dim=1))
+        return pixels
+
+
+def load_adapter(weights: str | Path, info_file: str | Path) -> tuple[OcclusionAdapter, dict]:
+    """A trained adapter in eval mode from ``adapter.safetensors`` and its ``backbone.json`` (which also
+    records the backbone, its prompt and image size, and the adapter's ``steps``), and that record."""
+    from safetensors.torch import load_file
+
+    info = json.loads(Path(info_file).read_text())
+    adapter = OcclusionAdapter(steps=info.get("adapter_steps", 1))
+    adapter.load_state_dict(load_file(str(weights)))
+    return adapter.eval(), info

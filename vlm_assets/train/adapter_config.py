@@ -3,7 +3,7 @@ torchrun entry point's (``--config run.json``). Its defaults are the seed's."""
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from vlm_assets.train.run_config import RunConfig, run_field
 
@@ -28,6 +28,15 @@ class AdapterTrainConfig(RunConfig):
     max_length: int = Field(default=512, ge=8, description="Longest prompt + answer in tokens.")
     reconstruction_loss_weight: float = Field(default=0.35, ge=0, description=(
         "Weight of the masked L1 to the clean image inside the box."))
+    reconstruction_outside_box: bool = Field(default=False, description=(
+        "Add the L1 to the input outside the box (its own mean, same weight): the adapter learns to leave the "
+        "visible image alone, and only the box is left for it to change."))
+    reconstruction_warmup_epochs: int = Field(default=0, ge=0, description=(
+        "Epochs of reconstruction only (no backbone, seconds each) before the LM loss joins: the adapter first "
+        "learns to inpaint, so the LM loss fine-tunes an inpainting instead of shutting a random residual off."))
+    adapter_steps: int = Field(default=1, ge=1, le=32, description=(
+        "Times the adapter's one residual step is applied (weight-tied; 10,532 parameters either way): each "
+        "reaches 2 more pixels into the box. The seed's is 1."))
     seed: int = Field(default=7, description="Seeds init and data order.")
     strategy: Literal["auto", "ddp", "deepspeed"] = Field(default="auto", description=(
         "auto = DeepSpeed ZeRO-2 on GPUs, DDP (gloo) on CPU."))
@@ -38,6 +47,13 @@ class AdapterTrainConfig(RunConfig):
     materialize_partial_on_failure: bool = run_field(False, (
         "If training fails on the last retry, materialize the last recovery checkpoint flagged partial "
         "(its blocking check fails, so nothing downstream uses it) instead of failing the step."))
+
+    @model_validator(mode="after")
+    def _warmup_within_epochs(self) -> "AdapterTrainConfig":
+        if self.reconstruction_warmup_epochs >= self.epochs:
+            raise ValueError(f"reconstruction_warmup_epochs ({self.reconstruction_warmup_epochs}) must be fewer than "
+                             f"epochs ({self.epochs}): the LM loss would never train the adapter")
+        return self
 
     @field_validator("image_size")
     @classmethod

@@ -40,7 +40,7 @@ class OcclusionSamples(Dataset):
 
 
 def masked_l1(restored: torch.Tensor, clean: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean absolute error over the occluded pixels (all 3 channels) only."""
+    """Mean absolute error over the pixels where ``mask`` is 1 (all 3 channels) only."""
     return ((restored - clean).abs() * mask).sum() / (mask.sum() * restored.shape[1]).clamp(min=1.0)
 
 
@@ -48,7 +48,7 @@ class AdapterModule(L.LightningModule):
     def __init__(self, config: AdapterTrainConfig, backbone: str):
         super().__init__()
         self.config, self.backbone_path = config, backbone
-        self.adapter = OcclusionAdapter()
+        self.adapter = OcclusionAdapter(steps=config.adapter_steps)
         self.backbone: FrozenVLM | None = None
         self.strict_loading = False  # checkpoints hold the adapter only
 
@@ -58,20 +58,30 @@ class AdapterModule(L.LightningModule):
             self.backbone = load_backbone(self.backbone_path, max_length=self.config.max_length, dtype=dtype,
                                           gradient_checkpointing=self.config.gradient_checkpointing)
 
-    def losses(self, batch: dict) -> dict[str, torch.Tensor]:
+    def losses(self, batch: dict, with_lm: bool = True) -> dict[str, torch.Tensor]:
         restored = self.adapter(batch["occluded"], batch["mask"])
-        lm = self.backbone.loss(restored, batch["prompt"], batch["answer"])
         rec = masked_l1(restored, batch["clean"], batch["mask"])
-        return {"loss": lm + self.config.reconstruction_loss_weight * rec, "lm_loss": lm, "reconstruction_loss": rec}
+        if self.config.reconstruction_outside_box:  # outside the box the clean image is the input
+            rec = rec + masked_l1(restored, batch["clean"], 1.0 - batch["mask"])
+        out = {"loss": self.config.reconstruction_loss_weight * rec, "reconstruction_loss": rec}
+        if with_lm:
+            out["lm_loss"] = self.backbone.loss(restored, batch["prompt"], batch["answer"])
+            out["loss"] = out["loss"] + out["lm_loss"]
+        return out
+
+    def with_lm(self) -> bool:
+        """False during the reconstruction warm-up: the backbone is not run at all then (the adapter alone
+        takes milliseconds), in training and validation."""
+        return self.current_epoch >= self.config.reconstruction_warmup_epochs
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        losses = self.losses(batch)
+        losses = self.losses(batch, with_lm=self.with_lm())
         self.log_dict({f"train/{k}": v.detach() for k, v in losses.items()}, batch_size=len(batch["prompt"]))
         self.log("train/gate", self.adapter.gate.detach())
         return losses["loss"]
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        losses = self.losses(batch)
+        losses = self.losses(batch, with_lm=self.with_lm())
         self.log_dict({f"val/{k}": v for k, v in losses.items()}, sync_dist=True, batch_size=len(batch["prompt"]))
 
     def configure_optimizers(self):

@@ -36,6 +36,9 @@ class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
         "Clean manifest images as VQA (the manifest's prompt -> class) to blend in (null: all)."))
     pair_count: int = Field(default=0, ge=0, description=(
         "Two-image, two-round conversations made from the manifests ('Which of these is a ...?')."))
+    phrasing_count: int = Field(default=0, ge=0, description=(
+        "Clean manifest images asked in other words ('What is shown?', 'Which item is this?', ...) -> class, so "
+        "the model answers a user's own phrasing, not only the manifest's prompt."))
     eval_fraction: float = Field(default=0.1, ge=0, lt=1, description="Share of the blended records held out.")
     packing: bool = Field(default=False, description=(
         "Pack samples first-fit into rows of pack_tokens (attention kept per sample, positions restart)."))

@@ -77,9 +77,11 @@ def build_samples(config: VisualChatTrainConfig, model: VisualChatModel, manifes
     datasets = [(vd.read_chat_jsonl(Path(path), config.max_images), count)
                 for path, count in sorted(config.chat_datasets.items())]
     if manifests is not None:
-        vqa = vd.manifest_records(manifests, "train", pairs=config.pair_count, seed=config.seed)
-        singles = [r for r in vqa if len(r.images) == 1]
-        datasets += [(singles, config.vqa_count), ([r for r in vqa if len(r.images) == 2], None)]
+        vqa = vd.manifest_records(manifests, "train", pairs=config.pair_count, phrased=config.phrasing_count,
+                                  seed=config.seed)
+        phrased = len(vqa) - config.phrasing_count  # the phrased records come last
+        datasets += [([r for r in vqa[:phrased] if len(r.images) == 1], config.vqa_count),
+                     ([r for r in vqa[:phrased] if len(r.images) == 2] + vqa[phrased:], None)]
     records = vd.blend(datasets, config.seed)
     if not records:
         raise ValueError("no training data: set chat_datasets, or give the occlusion manifests with vqa_count > 0")
@@ -283,17 +285,21 @@ def export(engine, config: VisualChatTrainConfig, evaluation: list[vd.Sample], r
 
 
 def evaluate_export(model_dir: Path, manifests: Path, count: int, out: Path, reporter: Reporter) -> dict:
-    """VQA exact match of the exported model on held-out validation images, and a two-image, two-round
-    conversation, written to ``out``; returns the numbers."""
-    from vlm_assets.evaluate.visualchat_eval import two_image_conversation, vqa_exact_match
+    """VQA exact match of the exported model on held-out validation images (asked the template's prompt,
+    and held-out phrasings), and a two-image, two-round conversation, written to ``out``; returns the numbers."""
+    from vlm_assets.evaluate.visualchat_eval import two_image_conversation, vqa_report
 
     model = VisualChatModel.from_pretrained(model_dir)
-    result = vqa_exact_match(model, manifests, "validation", count)
+    result = vqa_report(model, manifests, "validation", count)
     result["conversation"] = two_image_conversation(model, manifests)
     out.write_text(json.dumps(result, indent=1))
-    reporter.log(f"merged model: VQA exact match {result['exact_match']:.1%} on {result['num_images']} held-out "
-                 f"images (chance {result['chance']:.0%})")
-    return {"vqa_exact_match": result["exact_match"], "vqa_chance": result["chance"], "vqa_images": result["num_images"]}
+    template, phrased = result["vqa"]["template"], result["vqa"]["held_out_phrasings"]
+    reporter.log(f"merged model: VQA exact match {template['exact_match']:.1%} on {template['num_images']} held-out "
+                 f"images (chance {result['chance']:.0%}); asked in held-out phrasings {phrased['exact_match']:.1%}")
+    return {"vqa_exact_match": template["exact_match"], "vqa_exact_match_ci95_low": template["ci95"][0],
+            "vqa_exact_match_ci95_high": template["ci95"][1], "vqa_chance": result["chance"],
+            "vqa_images": template["num_images"], "vqa_held_out_phrasings_exact_match": phrased["exact_match"],
+            "vqa_held_out_phrasings_ci95_low": phrased["ci95"][0], "vqa_held_out_phrasings_ci95_high": phrased["ci95"][1]}
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from vlm_assets.defs.data.occlusion_assets import occlusion_manifests
 from vlm_assets.defs.models.adapter_assets import adapter_training_complete, adapter_weights_finite, occlusion_adapter
 from vlm_assets.defs.models.eval_assets import (
     adapter_accuracy_meets_threshold,
-    adapter_gain_non_negative,
+    adapter_gain_significant,
     eval_report,
     registered_adapter,
 )
@@ -25,8 +25,11 @@ from vlm_assets_tests.conftest import IsolatedEnv, kill_mid_training_and_relaunc
 pytestmark = pytest.mark.slow
 
 GRAPH = [occlusion_manifests, occlusion_adapter, adapter_training_complete, adapter_weights_finite, eval_report, adapter_accuracy_meets_threshold,
-         adapter_gain_non_negative, registered_adapter]
-ADAPTER = {"backbone": "tiny-clean", "clean_backbone_steps": 400, "image_size": 56, "epochs": 3, "lr": 5e-3,
+         adapter_gain_significant, registered_adapter]
+# The demo's recipe (6 weight-tied steps, reconstruction first, then the LM loss) at test size.
+ADAPTER = {"backbone": "tiny-clean", "clean_backbone_steps": 400, "image_size": 56, "epochs": 3, "lr": 1e-2,
+           "adapter_steps": 6, "reconstruction_warmup_epochs": 1, "reconstruction_loss_weight": 1.0,
+           "reconstruction_outside_box": True,
            "micro_batch_size": 8, "global_batch_size": 16, "nproc_per_node": 2, "num_train": 480, "log_every": 10}
 
 
@@ -61,11 +64,12 @@ def test_adapter_helps_the_frozen_backbone_and_is_registered(pipeline):
     assert result.success
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks == {"adapter_training_complete": True, "adapter_weights_finite": True, "adapter_accuracy_meets_threshold": True,
-                      "adapter_gain_non_negative": True}
+                      "adapter_gain_significant": True}
     report = meta(result, "eval_report")
-    # The backbone knows the clean task; occlusion costs accuracy; the adapter wins part of it back.
+    # The backbone knows the clean task; occlusion costs accuracy; the adapter wins part of it back,
+    # beyond the evaluation's noise (the gate's own criterion).
     assert report["accuracy_clean"] > report["accuracy_identity"]
-    assert report["adapter_gain"] >= 0.03, report
+    assert report["adapter_gain"] >= 0.03 and report["adapter_gain_ci95_low"] > 0, report
     print({k: report[k] for k in ("accuracy_clean", "accuracy_identity", "accuracy_adapter", "lenient_accuracy_adapter")})
     adapter = meta(result, "occlusion_adapter")
     assert adapter["epochs"] == 3 and np.isfinite(adapter["gate"])

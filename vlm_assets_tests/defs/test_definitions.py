@@ -21,7 +21,7 @@ def test_definitions_snapshot():
         "eval_report", "gpt_checkpoint", "occlusion_adapter", "occlusion_manifests", "registered_adapter",
         "registered_visualchat", "token_shards", "visualchat_model"]
     assert sorted(c.name for c in graph.asset_check_keys) == [
-        "adapter_accuracy_meets_threshold", "adapter_gain_non_negative", "adapter_training_complete",
+        "adapter_accuracy_meets_threshold", "adapter_gain_significant", "adapter_training_complete",
         "adapter_weights_finite",
         "boxes_within_configured_bounds", "counts_match_config", "eval_loss_beats_untrained", "every_class_present_and_balanced",
         "every_image_readable", "every_shard_readable", "export_reproduces_val_loss", "merged_equals_unmerged",

@@ -47,6 +47,10 @@ def test_main_job_materializes_the_graph_then_hits_the_cache(tmp_path, offline_d
     assert json.loads((home / visualchat / "_COMPLETE.json").read_text())["metadata"]["metadata"]["decoder"] == str(home / gpt / "hf")
     (adapter,) = [a for a in artifacts if a.startswith("occlusion_adapter/")]
     assert json.loads((home / adapter / "backbone.json").read_text())["backbone"] == str(home / visualchat / "model")
+    # The adapter earns its gate: on every validation image, its paired gain's 95 % interval is above 0.
+    (report,) = [a for a in artifacts if a.startswith("eval_report/")]
+    evaluation = json.loads((home / report / "eval.json").read_text())
+    assert evaluation["num_samples"] == 500 and evaluation["adapter_gain_ci95"][0] > 0, evaluation
     assert re.search(r"merged model: VQA exact match [\d.]+% on 100 held-out images \(chance 10%\)", first)
     # The GPT trained on two torchrun nodes, one process each.
     assert re.search(r"\[launcher\] \S+: 2 node\(s\) x 1 process\(es\)", first)

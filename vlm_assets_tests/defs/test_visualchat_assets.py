@@ -65,6 +65,8 @@ def pipeline(tmp_path_factory, offline_data, models):
 
 
 def test_trains_merges_evaluates_and_registers(pipeline):
+    from vlm_assets.evaluate.visualchat_eval import HELD_OUT_PHRASINGS
+
     env, result = pipeline
     assert result.success
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
@@ -75,7 +77,12 @@ def test_trains_merges_evaluates_and_registers(pipeline):
     assert model["merge_max_abs_diff"] < 1e-4 and model["eval_loss"] < model["baseline_eval_loss"]
     root = Path(model["uri"])
     evaluation = json.loads((root / "eval.json").read_text())
-    assert len(evaluation["predictions"]) == 8
+    template, phrased = evaluation["vqa"]["template"], evaluation["vqa"]["held_out_phrasings"]
+    assert len(template["predictions"]) == 8 and len(phrased["predictions"]) == 8
+    assert {p["question"] for p in phrased["predictions"]} == set(HELD_OUT_PHRASINGS[:5])
+    low, high = template["ci95"]
+    assert low < template["exact_match"] < high or template["exact_match"] in (0.0, 1.0)
+    assert model["vqa_exact_match_ci95_low"] == low
     assert [m["role"] for m in evaluation["conversation"]] == ["user", "assistant", "user", "assistant"]
     assert "| assistant |" in model["conversation"] and model["loss_curve"].startswith("![loss curve](data:image/png")
     assert (root / "model" / "visualchat.json").is_file() and (root / "loss_curve.png").is_file()
@@ -95,6 +102,38 @@ def test_the_registered_model_answers_through_mlflow_and_the_chat_cli(pipeline, 
     assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
     directory = resolve_model("models:/visualchat@champion")
     assert (directory / "visualchat.json").is_file() and (directory / "decoder" / "config.json").is_file()
+
+
+def test_the_chat_cli_the_registered_pyfunc_and_the_eval_answer_a_png_file_alike(pipeline, offline_data, tmp_path):
+    """One preprocessing path: a held-out Fashion-MNIST image saved as a PNG file, asked the same
+    question through the chat CLI (stdin), `models:/visualchat@champion` (base64 PNG) and the eval's
+    `answer` (the file's path) gives one answer."""
+    import base64
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    from vlm_assets.chat import resolve_model
+    from vlm_assets.data.image_sources import load_fashion_mnist
+    from vlm_assets.evaluate.visualchat_eval import answer
+    from vlm_assets.models.visualchat import VisualChatModel
+
+    env, _ = pipeline
+    png = tmp_path / "boot.png"
+    Image.fromarray(load_fashion_mnist(offline_data / "fashion-mnist").eval.images[-1].squeeze()).save(png)
+    question = "What is this?"
+    mlflow.set_tracking_uri(env.uri)
+    pyfunc = mlflow.pyfunc.load_model("models:/visualchat@champion").predict(
+        pd.DataFrame({"question": [question], "images": [[base64.b64encode(png.read_bytes()).decode()]]}))[0]
+    directory = resolve_model("models:/visualchat@champion")
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(png)}, {"type": "text", "text": question}]}]
+    evaluated = answer(VisualChatModel.from_pretrained(directory), messages, [str(png)])  # 8 new tokens, as the pyfunc
+    cli = subprocess.run([sys.executable, "-m", "vlm_assets.chat", str(directory), "--max-new-tokens", "8"],
+                         input=f"/image {png}\n{question}\n",
+                         capture_output=True, text=True, timeout=300)
+    said = [line.split("visualchat> ", 1)[1].strip() for line in cli.stdout.splitlines() if "visualchat> " in line]
+    assert said == [evaluated] and pyfunc == evaluated, (said, pyfunc, evaluated, cli.stderr[-2000:])
 
 
 def test_a_rerun_hits_the_cache_and_a_failing_vqa_check_keeps_the_alias(pipeline, offline_data, models):

@@ -114,7 +114,8 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
             shutil.rmtree(work, ignore_errors=True)
         rows = [json.loads(line) for line in (manifests / "train.jsonl").read_text().splitlines()[:1]]
         (staging / "backbone.json").write_text(json.dumps({
-            "backbone": backbone, "image_size": config.image_size, "max_length": config.max_length, "prompt": rows[0]["prompt"]}))
+            "backbone": backbone, "image_size": config.image_size, "max_length": config.max_length, "prompt": rows[0]["prompt"],
+            "adapter_steps": config.adapter_steps}))
         return Built(metrics={k: float(v) for k, v in values.items() if isinstance(v, (int, float))},
                      metadata={"backbone": backbone, "partial": partial}, scan=weights_scan(staging))
 

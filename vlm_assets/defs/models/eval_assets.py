@@ -11,6 +11,7 @@ from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoiz
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
 from vlm_assets.storage import ArtifactRef
 
 
@@ -22,20 +23,23 @@ class EvalReportConfig(AssetConfig):
 
 class AccuracyCheckConfig(ProfileDefaults, dg.Config):
     min_accuracy: float = Field(default=0.5, ge=0, le=1, description=(
-        "Exact-match accuracy with the adapter must reach this (a check setting: changing it re-runs the check only)."))
+        "The 95 % Wilson lower bound of the exact-match accuracy with the adapter must reach this (a check "
+        "setting: changing it re-runs the check only)."))
+
+
+class GainCheckConfig(ProfileDefaults, dg.Config):
+    min_gain: float = Field(default=0.0, ge=-1, le=1, description=(
+        "The 95 % interval of the adapter's paired gain over the identity must lie above this (0: the "
+        "adapter significantly helps). A check setting: changing it re-runs the check only."))
 
 
 def load_trained(store, adapter_ref: ArtifactRef):
-    from safetensors.torch import load_file
-
     from vlm_assets.models.frozen_vlm import load_backbone
-    from vlm_assets.models.occlusion_adapter import OcclusionAdapter
+    from vlm_assets.models.occlusion_adapter import load_adapter
 
     root = store.local_path(adapter_ref.key)
-    info = json.loads((root / "backbone.json").read_text())
+    adapter, info = load_adapter(root / "adapter.safetensors", root / "backbone.json")
     backbone = load_backbone(info["backbone"], max_length=info["max_length"])
-    adapter = OcclusionAdapter()
-    adapter.load_state_dict(load_file(str(root / "adapter.safetensors")))
     return backbone, adapter, info, root
 
 
@@ -71,8 +75,9 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, occ
                               "predictions": {c: result.predictions[c][i] for c in result.predictions}})
         epochs = json.loads((root / "history.json").read_text())["epochs"]
         (staging / "report.html").write_text(html_report(result, epochs, cards, "Occlusion adapter evaluation"))
-        (staging / "eval.json").write_text(json.dumps({**summary, "per_class": {c: result.per_class(c) for c in result.predictions},
-                                                       "confusion_adapter": result.confusion("adapter").tolist()}))
+        (staging / "eval.json").write_text(json.dumps({
+            **summary, **intervals(summary), "per_class": {c: result.per_class(c) for c in result.predictions},
+            "confusion_adapter": result.confusion("adapter").tolist()}, indent=1))
         with open(staging / "predictions.jsonl", "w") as f:
             for i, y in enumerate(result.labels):
                 f.write(json.dumps({"label": result.class_names[y], **{c: result.predictions[c][i] for c in result.predictions}}) + "\n")
@@ -87,17 +92,41 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, occ
 
 @dg.asset_check(asset=eval_report, blocking=True)
 def adapter_accuracy_meets_threshold(config: AccuracyCheckConfig, eval_report: ArtifactRef) -> dg.AssetCheckResult:
-    """Exact-match accuracy with the adapter is at least ``min_accuracy`` (this check's config)."""
-    accuracy, bound = eval_report.metadata["metrics"]["accuracy_adapter"], config.min_accuracy
-    return dg.AssetCheckResult(passed=bool(accuracy >= bound), description=f"accuracy {accuracy:.1%} vs threshold {bound:.1%}",
-                               metadata={"accuracy_adapter": accuracy, "min_accuracy": bound})
+    """The 95 % Wilson lower bound of the exact-match accuracy with the adapter reaches ``min_accuracy``
+    (this check's config), beside chance (one over the classes)."""
+    metrics = eval_report.metadata["metrics"]
+    accuracy, low, bound = metrics["accuracy_adapter"], metrics["accuracy_adapter_ci95_low"], config.min_accuracy
+    n = int(metrics["num_samples"])
+    return dg.AssetCheckResult(
+        passed=bool(low >= bound),
+        description=f"accuracy {accuracy:.1%} (95% CI lower bound {low:.1%}, n={n}) vs threshold {bound:.1%}"
+                    + small_sample_note(n),
+        metadata={"accuracy_adapter": accuracy, "accuracy_adapter_ci95_low": low, "min_accuracy": bound,
+                  "num_samples": n, "too_few_samples": n < MIN_PAIRS})
 
 
 @dg.asset_check(asset=eval_report, blocking=True)
-def adapter_gain_non_negative(eval_report: ArtifactRef) -> dg.AssetCheckResult:
-    """The adapter does not hurt: accuracy with it >= without it, on the same occluded images."""
-    gain = eval_report.metadata["metrics"]["adapter_gain"]
-    return dg.AssetCheckResult(passed=bool(gain >= 0), description=f"adapter gain {gain:+.1%}", metadata={"adapter_gain": gain})
+def adapter_gain_significant(config: GainCheckConfig, eval_report: ArtifactRef) -> dg.AssetCheckResult:
+    """The adapter helps, beyond the evaluation's own noise: the 95 % paired-bootstrap interval of its gain
+    over the identity (accuracy with minus without it, on the same occluded images) lies above
+    ``min_gain`` (this check's config). Beside it: the exact McNemar p-value and the discordant pairs."""
+    metrics = eval_report.metadata["metrics"]
+    gain, low, high = metrics["adapter_gain"], metrics["adapter_gain_ci95_low"], metrics["adapter_gain_ci95_high"]
+    n = int(metrics["num_samples"])
+    return dg.AssetCheckResult(
+        passed=bool(low > config.min_gain),
+        description=f"adapter gain {gain:+.1%} (95% CI [{low:+.1%}, {high:+.1%}], McNemar p={metrics['adapter_gain_p_value']:.2g}, "
+                    f"n={n}) vs min_gain {config.min_gain:+.1%}" + small_sample_note(n),
+        metadata={"adapter_gain": gain, "adapter_gain_ci95_low": low, "adapter_gain_ci95_high": high,
+                  "adapter_gain_p_value": metrics["adapter_gain_p_value"], "wins": int(metrics["adapter_wins"]),
+                  "losses": int(metrics["adapter_losses"]), "min_gain": config.min_gain, "num_samples": n,
+                  "too_few_samples": n < MIN_PAIRS})
+
+
+def intervals(summary: dict[str, float]) -> dict[str, list[float]]:
+    """The summary's flat ``<name>_ci95_low`` / ``_ci95_high`` pairs as ``<name>_ci95: [low, high]``."""
+    return {key.removesuffix("_low"): [value, summary[key.removesuffix("_low") + "_high"]]
+            for key, value in summary.items() if key.endswith("_ci95_low")}
 
 
 class RegisteredAdapterConfig(AssetConfig):

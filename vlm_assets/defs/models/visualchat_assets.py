@@ -21,6 +21,7 @@ from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, mate
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
 from vlm_assets.paths import require_local, runs_dir
 from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.run_config import RunPaths, write_run_file
@@ -43,8 +44,8 @@ class VisualChatAssetConfig(VisualChatTrainConfig, AssetConfig):
 
 class VQACheckConfig(ProfileDefaults, dg.Config):
     min_exact_match: float = Field(default=0.5, ge=0, le=1, description=(
-        "The merged model's VQA exact match on held-out images must reach this (a check setting: changing "
-        "it re-runs the check only)."))
+        "The 95 % Wilson lower bound of the merged model's VQA exact match on held-out images must reach this "
+        "(a check setting: changing it re-runs the check only)."))
 
 
 @dg.asset(
@@ -142,17 +143,24 @@ def eval_loss_beats_untrained(visualchat_model: ArtifactRef) -> dg.AssetCheckRes
 
 @dg.asset_check(asset=visualchat_model, blocking=True)
 def vqa_exact_match_meets_threshold(config: VQACheckConfig, visualchat_model: ArtifactRef) -> dg.AssetCheckResult:
-    """The merged model's exact match on held-out clean images reaches ``min_exact_match`` (this check's
-    config), beside chance (one over the classes)."""
+    """The 95 % Wilson lower bound of the merged model's exact match on held-out clean images (asked the
+    template's prompt) reaches ``min_exact_match`` (this check's config), beside chance (one over the
+    classes) and the exact match asked in held-out phrasings."""
     metrics = visualchat_model.metadata["metrics"]
     if "vqa_exact_match" not in metrics:
         return dg.AssetCheckResult(passed=False, description="not measured: eval_images is 0")
-    match, chance = metrics["vqa_exact_match"], metrics["vqa_chance"]
+    match, chance, images = metrics["vqa_exact_match"], metrics["vqa_chance"], int(metrics["vqa_images"])
+    low = metrics.get("vqa_exact_match_ci95_low", match)  # a model built before intervals were measured
+    phrased = metrics.get("vqa_held_out_phrasings_exact_match")
     return dg.AssetCheckResult(
-        passed=bool(match >= config.min_exact_match),
-        description=f"exact match {match:.1%} on {metrics['vqa_images']:.0f} held-out images vs threshold "
-                    f"{config.min_exact_match:.1%} (chance {chance:.0%})",
-        metadata={"vqa_exact_match": match, "chance": chance, "min_exact_match": config.min_exact_match})
+        passed=bool(low >= config.min_exact_match),
+        description=f"exact match {match:.1%} (95% CI lower bound {low:.1%}) on {images} held-out images vs threshold "
+                    f"{config.min_exact_match:.1%} (chance {chance:.0%})"
+                    + (f"; in held-out phrasings {phrased:.1%}" if phrased is not None else "")
+                    + small_sample_note(images),
+        metadata={"vqa_exact_match": match, "vqa_exact_match_ci95_low": low, "chance": chance,
+                  "min_exact_match": config.min_exact_match, "num_images": images, "too_few_samples": images < MIN_PAIRS,
+                  **({"vqa_held_out_phrasings_exact_match": phrased} if phrased is not None else {})})
 
 
 @dg.asset_check(asset=visualchat_model, blocking=True)

@@ -39,22 +39,26 @@ def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
         },
         # VisualChat on the graph's own GPT: the pretrained EfficientNet-Lite0 (frozen, its features cached),
         # an mlp projection, and the decoder with LoRA, trained with it (40 steps of Shakespeare teach a
-        # decoder too little for LoRA alone), on the clean images as VQA and two-image conversations.
+        # decoder too little for LoRA alone), on the clean images as VQA (the manifest's prompt, and 400
+        # asked in other words) and two-image conversations.
         "VisualChatAssetConfig": {
             "decoder": "gpt_checkpoint", "encoder_kind": "efficientnet_lite0", "projection": "mlp",
             "freeze_modules": ["encoder"], "cache_image_features": True, "max_length": 256, "vqa_count": 800,
-            "pair_count": 100, "eval_fraction": 0.05, "micro_batch_size": 8, "global_batch_size": 16,
+            "pair_count": 100, "phrasing_count": 400, "eval_fraction": 0.05, "micro_batch_size": 8, "global_batch_size": 16,
             "nproc_per_node": 2, "lr": 3e-3, "warmup_steps": 10, "max_steps": 300, "eval_images": 100,
             "checkpoint_every": 150, "log_every": 50,
         },
         "VQACheckConfig": {"min_exact_match": 0.3},
-        # The adapter at 56 px in front of that VisualChat model (frozen), on 2 processes.
+        # The adapter at the images' own 28 px in front of that VisualChat model (frozen), on 2 processes:
+        # 6 weight-tied steps (a 25 px reach: the whole box), 10 epochs of reconstruction only (it learns
+        # to inpaint, no backbone), then 2 epochs with the LM loss. Why: README, "Why the adapter helps".
         "OcclusionAdapterConfig": {
-            "backbone": "visualchat", "image_size": 56, "epochs": 3, "lr": 5e-3,
-            "micro_batch_size": 8, "global_batch_size": 16, "nproc_per_node": 2, "num_train": 480,
+            "backbone": "visualchat", "image_size": 28, "adapter_steps": 6, "epochs": 12,
+            "reconstruction_warmup_epochs": 10, "reconstruction_loss_weight": 1.0, "reconstruction_outside_box": True,
+            "lr": 1e-2, "micro_batch_size": 8, "global_batch_size": 16, "nproc_per_node": 2, "num_train": None,
             "num_validation": 200,
         },
-        "EvalReportConfig": {"num_samples": 200, "batch_size": 50, "num_cards": 24},
+        "EvalReportConfig": {"num_samples": 500, "batch_size": 50, "num_cards": 24},
         # Check settings are the checks' own config: changing one re-runs the check, not the asset.
         "AccuracyCheckConfig": {"min_accuracy": 0.3},
     }
