@@ -199,35 +199,6 @@ class VisualChatModel(nn.Module):
                                      skip_special_tokens=True).strip()
 
     @torch.no_grad()
-    def greedy(self, input_ids: torch.Tensor, pixels: torch.Tensor | None, max_new_tokens: int = 8) -> list[list[int]]:
-        """Greedy continuations of a batch of equal-length prompts ``(B, T)`` in one batched pass per token
-        (``stream`` decodes one conversation); each row stops at the end-of-sequence token."""
-        from transformers import DynamicCache
-
-        rows, length = input_ids.shape
-        image = input_ids == self.image_token_id
-        cache = DynamicCache()
-        embeds = self.embed(input_ids, pixels)
-        limit = decoder_positions(self.decoder.config) or length + max_new_tokens
-        out_ids: list[list[int]] = [[] for _ in range(rows)]
-        done = torch.zeros(rows, dtype=torch.bool)
-        for _ in range(min(max_new_tokens, limit - length)):
-            layout = Layout(torch.ones(rows, length, dtype=torch.long), image, self.mmca)
-            positions = torch.arange(length - embeds.shape[1], length).expand(rows, -1)
-            with attention_layout(layout):
-                out = self.decoder(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
-            tokens = out.logits[:, -1].argmax(dim=-1).cpu()
-            done |= tokens == self.tokenizer.eos_token_id
-            for r in (~done).nonzero().flatten().tolist():
-                out_ids[r].append(int(tokens[r]))
-            if bool(done.all()):
-                break
-            image = torch.cat([image, torch.zeros(rows, 1, dtype=torch.bool)], dim=1)
-            embeds = self.decoder.get_input_embeddings()(tokens[:, None].to(input_ids.device))
-            length += 1
-        return out_ids
-
-    @torch.no_grad()
     def stream(self, input_ids: list[int], pixels: torch.Tensor | None, *, max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None) -> Iterator[int]:
         """New token ids one at a time (greedy at temperature 0, else nucleus sampling), KV cache kept;
@@ -244,7 +215,8 @@ class VisualChatModel(nn.Module):
             layout = Layout(torch.ones(1, length, dtype=torch.long), image, self.mmca)
             positions = torch.arange(length - embeds.shape[1], length)[None]
             with attention_layout(layout):
-                out = self.decoder(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
+                out = self.decoder(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True,
+                                   logits_to_keep=1)
             token = _pick(out.logits[0, -1], temperature, top_p, generator)
             if token == self.tokenizer.eos_token_id:
                 return

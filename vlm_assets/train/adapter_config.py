@@ -33,7 +33,8 @@ class AdapterTrainConfig(RunConfig):
         "visible image alone, and only the box is left for it to change."))
     reconstruction_warmup_epochs: int = Field(default=0, ge=0, description=(
         "Epochs of reconstruction only (no backbone, seconds each) before the LM loss joins: the adapter first "
-        "learns to inpaint, so the LM loss fine-tunes an inpainting instead of shutting a random residual off."))
+        "learns to inpaint, so the LM loss fine-tunes an inpainting instead of shutting a random residual off. "
+        "Equal to epochs: the reconstruction alone (the backbone then only evaluates)."))
     adapter_steps: int = Field(default=1, ge=1, le=32, description=(
         "Times the adapter's one residual step is applied (weight-tied; 10,532 parameters either way): each "
         "reaches 2 more pixels into the box. The seed's is 1."))
@@ -50,9 +51,12 @@ class AdapterTrainConfig(RunConfig):
 
     @model_validator(mode="after")
     def _warmup_within_epochs(self) -> "AdapterTrainConfig":
-        if self.reconstruction_warmup_epochs >= self.epochs:
-            raise ValueError(f"reconstruction_warmup_epochs ({self.reconstruction_warmup_epochs}) must be fewer than "
-                             f"epochs ({self.epochs}): the LM loss would never train the adapter")
+        if self.reconstruction_warmup_epochs > self.epochs:
+            raise ValueError(f"reconstruction_warmup_epochs ({self.reconstruction_warmup_epochs}) must be at most "
+                             f"epochs ({self.epochs})")
+        if self.reconstruction_warmup_epochs == self.epochs and self.reconstruction_loss_weight == 0:
+            raise ValueError("reconstruction_warmup_epochs equal to epochs trains on the reconstruction alone, "
+                             "but reconstruction_loss_weight is 0: nothing would train the adapter")
         return self
 
     @field_validator("image_size")

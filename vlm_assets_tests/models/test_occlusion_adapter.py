@@ -60,3 +60,20 @@ def test_packing_matches_the_real_qwen_image_processor(height, width, seed):
 def test_packing_refuses_sizes_that_do_not_tile():
     with pytest.raises(ValueError, match="multiple of patch x merge = 28"):
         dense_to_packed(torch.zeros(1, 3, 30, 28))
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_each_step_reaches_two_pixels_further(steps):
+    """A pixel changed at (10, 10) moves the output within 2 x steps pixels of it and nowhere else:
+    why one step cannot carry the surroundings into a box wider than 4 pixels."""
+    torch.manual_seed(0)
+    adapter = OcclusionAdapter(steps=steps, gate_init=1.0)
+    pixels, mask = torch.rand(1, 3, 28, 28), torch.zeros(1, 1, 28, 28)
+    poked = pixels.clone()
+    poked[0, :, 10, 10] += 0.5
+    with torch.no_grad():
+        moved = (adapter(poked, mask) - adapter(pixels, mask)).abs().amax(dim=(0, 1)) > 0
+    rows, cols = moved.nonzero(as_tuple=True)
+    reach = 2 * steps
+    assert int((rows - 10).abs().max()) == reach and int((cols - 10).abs().max()) == reach
+    assert OcclusionAdapter(steps=steps).state_dict().keys() == OcclusionAdapter().state_dict().keys()

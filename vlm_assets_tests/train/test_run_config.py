@@ -59,3 +59,18 @@ def test_run_file_round_trip_and_errors_name_the_file_and_field(tmp_path):
         read_run_file(tmp_path / "bad.json", PretrainConfig)
     with pytest.raises(ValueError, match="input 'backbone' missing"):
         paths.input("backbone")
+
+
+def test_adapter_recipe_settings_are_checked_at_load():
+    import pydantic
+
+    from vlm_assets.train.adapter_config import AdapterTrainConfig
+
+    ok = AdapterTrainConfig(epochs=10, reconstruction_warmup_epochs=10, reconstruction_outside_box=True, adapter_steps=6)
+    assert ok.adapter_steps == 6
+    with pytest.raises(pydantic.ValidationError, match=r"reconstruction_warmup_epochs \(11\) must be at most epochs \(10\)"):
+        AdapterTrainConfig(epochs=10, reconstruction_warmup_epochs=11)
+    with pytest.raises(pydantic.ValidationError, match="reconstruction_loss_weight is 0"):
+        AdapterTrainConfig(epochs=2, reconstruction_warmup_epochs=2, reconstruction_loss_weight=0)
+    with pytest.raises(pydantic.ValidationError, match="adapter_steps"):
+        AdapterTrainConfig(adapter_steps=0)

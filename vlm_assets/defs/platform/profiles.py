@@ -50,10 +50,11 @@ def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
         },
         "VQACheckConfig": {"min_exact_match": 0.3},
         # The adapter at the images' own 28 px in front of that VisualChat model (frozen), on 2 processes:
-        # 6 weight-tied steps (a 25 px reach: the whole box), 10 epochs of reconstruction only (it learns
-        # to inpaint, no backbone), then 2 epochs with the LM loss. Why: README, "Why the adapter helps".
+        # 6 weight-tied steps (a 12 px reach: the whole box), 10 epochs of reconstruction (it learns to
+        # inpaint; no backbone). The LM loss is left out here: on this lineage it shuts the gate (README,
+        # "Why the adapter helps"). The frozen model judges the adapter in eval_report.
         "OcclusionAdapterConfig": {
-            "backbone": "visualchat", "image_size": 28, "adapter_steps": 6, "epochs": 12,
+            "backbone": "visualchat", "image_size": 28, "adapter_steps": 6, "epochs": 10,
             "reconstruction_warmup_epochs": 10, "reconstruction_loss_weight": 1.0, "reconstruction_outside_box": True,
             "lr": 1e-2, "micro_batch_size": 8, "global_batch_size": 16, "nproc_per_node": 2, "num_train": None,
             "num_validation": 200,
