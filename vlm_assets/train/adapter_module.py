@@ -53,7 +53,8 @@ class AdapterModule(L.LightningModule):
         self.strict_loading = False  # checkpoints hold the adapter only
 
     def configure_model(self) -> None:
-        if self.backbone is None:
+        # Reconstruction alone (warm-up spans every epoch) never runs the backbone: do not load it.
+        if self.backbone is None and self.config.reconstruction_warmup_epochs < self.config.epochs:
             dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
             self.backbone = load_backbone(self.backbone_path, max_length=self.config.max_length, dtype=dtype,
                                           gradient_checkpointing=self.config.gradient_checkpointing)
