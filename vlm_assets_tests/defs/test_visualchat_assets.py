@@ -132,8 +132,11 @@ def test_the_chat_cli_the_registered_pyfunc_and_the_eval_answer_a_png_file_alike
     cli = subprocess.run([sys.executable, "-m", "vlm_assets.chat", str(directory), "--max-new-tokens", "8"],
                          input=f"/image {png}\n{question}\n",
                          capture_output=True, text=True, timeout=300)
-    said = [line.split("visualchat> ", 1)[1].strip() for line in cli.stdout.splitlines() if "visualchat> " in line]
-    assert said == [evaluated] and pyfunc == evaluated, (said, pyfunc, evaluated, cli.stderr[-2000:])
+    # What the CLI streamed after its one "visualchat> ", up to its next prompt (an answer may hold newlines).
+    turns = cli.stdout.split("visualchat> ")
+    assert len(turns) == 2, cli.stdout + cli.stderr[-2000:]
+    said = turns[1].split("you> ")[0].strip()
+    assert said == evaluated and pyfunc == evaluated, (said, pyfunc, evaluated)
 
 
 def test_a_rerun_hits_the_cache_and_a_failing_vqa_check_keeps_the_alias(pipeline, offline_data, models):
