@@ -64,7 +64,7 @@ class EvalResult:
     def summary(self) -> dict[str, float]:
         """Accuracies with their 95 % Wilson intervals, and the adapter's paired gain over the identity on
         the same images: 95 % paired-bootstrap interval, exact McNemar p-value, wins and losses."""
-        out: dict[str, float] = {"num_samples": len(self.labels)}
+        out: dict[str, float] = {"num_samples": len(self.labels), "chance": 1 / len(self.class_names)}
         for condition in CONDITIONS:
             hits = self.hits(condition)
             out[f"accuracy_{condition}"] = self.accuracy(condition)

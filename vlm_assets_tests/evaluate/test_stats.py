@@ -99,7 +99,8 @@ def test_gain_gate_refuses_a_useless_adapter_and_promotes_a_good_one():
 
 def test_accuracy_gate_judges_the_wilson_lower_bound():
     ref = _report(adapter_right=130, identity_right=120, both=110)  # 32.5 % on 400: lower bound 28.1 %
-    assert _judge(adapter_accuracy_meets_threshold, AccuracyCheckConfig(min_accuracy=0.28), ref).passed
+    verdict = _judge(adapter_accuracy_meets_threshold, AccuracyCheckConfig(min_accuracy=0.28), ref)
+    assert verdict.passed and verdict.metadata["chance"].value == 0.5 and "(chance 50%)" in verdict.description
     assert not _judge(adapter_accuracy_meets_threshold, AccuracyCheckConfig(min_accuracy=0.30), ref).passed
 
 

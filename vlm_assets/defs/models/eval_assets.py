@@ -96,13 +96,13 @@ def adapter_accuracy_meets_threshold(config: AccuracyCheckConfig, eval_report: A
     (this check's config), beside chance (one over the classes)."""
     metrics = eval_report.metadata["metrics"]
     accuracy, low, bound = metrics["accuracy_adapter"], metrics["accuracy_adapter_ci95_low"], config.min_accuracy
-    n = int(metrics["num_samples"])
+    n, chance = int(metrics["num_samples"]), metrics.get("chance")
     return dg.AssetCheckResult(
         passed=bool(low >= bound),
         description=f"accuracy {accuracy:.1%} (95% CI lower bound {low:.1%}, n={n}) vs threshold {bound:.1%}"
-                    + small_sample_note(n),
+                    + (f" (chance {chance:.0%})" if chance is not None else "") + small_sample_note(n),
         metadata={"accuracy_adapter": accuracy, "accuracy_adapter_ci95_low": low, "min_accuracy": bound,
-                  "num_samples": n, "too_few_samples": n < MIN_PAIRS})
+                  "num_samples": n, "too_few_samples": n < MIN_PAIRS, **({"chance": chance} if chance is not None else {})})
 
 
 @dg.asset_check(asset=eval_report, blocking=True)
