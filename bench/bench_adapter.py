@@ -31,13 +31,14 @@ def one(backbone_dir: str, micro: int, checkpointing: bool, global_batch: int, i
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    backbone = QwenVLBackbone(backbone_dir, dtype=torch.bfloat16 if cuda else torch.float32,
-                              gradient_checkpointing=checkpointing).to(device)
+    backbone = QwenVLBackbone(
+        backbone_dir, dtype=torch.bfloat16 if cuda else torch.float32, gradient_checkpointing=checkpointing
+    ).to(device)
     adapter = OcclusionAdapter().to(device)
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=2e-4, betas=(0.9, 0.95), weight_decay=1e-2)
     pixels = torch.rand(micro, 3, image_size, image_size, device=device)
     mask = torch.zeros(micro, 1, image_size, image_size, device=device)
-    mask[:, :, image_size // 4: image_size // 2, image_size // 4: image_size // 2] = 1
+    mask[:, :, image_size // 4 : image_size // 2, image_size // 4 : image_size // 2] = 1
     prompts, answers = ["Answer with exactly one class label."] * micro, ["Ankle boot"] * micro
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -80,14 +81,33 @@ def main() -> None:
     from vlm_assets.models.tiny_qwen import QWEN25_VL_3B_TEXT, QWEN25_VL_3B_VISION, build_tiny_qwen
 
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = {"text_overrides": QWEN25_VL_3B_TEXT, "vision_overrides": QWEN25_VL_3B_VISION} if args.qwen3b else {}
-        backbone = build_tiny_qwen(Path(tmp) / "backbone", ["Answer with exactly one class label. Ankle boot"] * 20,
-                                   **overrides)
+        overrides = (
+            {"text_overrides": QWEN25_VL_3B_TEXT, "vision_overrides": QWEN25_VL_3B_VISION} if args.qwen3b else {}
+        )
+        backbone = build_tiny_qwen(
+            Path(tmp) / "backbone", ["Answer with exactly one class label. Ankle boot"] * 20, **overrides
+        )
         rows = []
         for name, (micro, ckpt) in SETTINGS.items():
-            out = subprocess.run([sys.executable, __file__, "--one", str(backbone), str(micro), "1" if ckpt else "0",
-                                  "--image-size", str(args.image_size), "--global-batch", str(args.global_batch),
-                                  "--steps", str(args.steps)], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    str(backbone),
+                    str(micro),
+                    "1" if ckpt else "0",
+                    "--image-size",
+                    str(args.image_size),
+                    "--global-batch",
+                    str(args.global_batch),
+                    "--steps",
+                    str(args.steps),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             rows.append((name, json.loads(out.stdout.strip().splitlines()[-1])))
     base = rows[0][1]["samples_per_s"]
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -95,7 +115,8 @@ def main() -> None:
     print(f"\nAdapter training, {shape}, {args.image_size} px, global batch {args.global_batch}, {where}\n")
     print("| setting | samples/s | speed-up | peak memory |\n|---|---:|---:|---:|")
     for name, r in rows:
-        print(f"| {name} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base:.2f}x | {r['peak_bytes'] / 2**20:,.0f} MiB |")
+        speed, mib = r["samples_per_s"], r["peak_bytes"] / 2**20
+        print(f"| {name} | {speed:.1f} | {speed / base:.2f}x | {mib:,.0f} MiB |")
 
 
 if __name__ == "__main__":

@@ -28,14 +28,20 @@ BOUNDS = {"train": BoxBounds(0.22, 0.42), "validation": BoxBounds(0.28, 0.45)}
 
 
 def judge_tokens(scanned):
-    return [token_checks.ids_within_vocab(scanned), token_checks.counts_match(scanned),
-            token_checks.shards_readable(scanned)]
+    return [
+        token_checks.ids_within_vocab(scanned),
+        token_checks.counts_match(scanned),
+        token_checks.shards_readable(scanned),
+    ]
 
 
 def judge_images(scanned):
-    return [occlusion_checks.boxes_within_bounds(scanned), occlusion_checks.counts_match(scanned, {"train": None, "validation": None}),
-            occlusion_checks.classes_balanced(scanned, 0.1, {"train": True, "validation": True}),
-            occlusion_checks.images_readable(scanned)]
+    return [
+        occlusion_checks.boxes_within_bounds(scanned),
+        occlusion_checks.counts_match(scanned, {"train": None, "validation": None}),
+        occlusion_checks.classes_balanced(scanned, 0.1, {"train": True, "validation": True}),
+        occlusion_checks.images_readable(scanned),
+    ]
 
 
 def timed(fn, repeats=3):
@@ -74,23 +80,45 @@ def main() -> None:
             corpus = docs * (1 + tokens // 1_400_000)
             key = f"token_shards/{tokens}"
             with store.staging_dir(key) as staging:
-                write_token_shards(staging, tokenizer, "gpt2", corpus, docs[:2000], max_length=1024,
-                                   max_train_samples=tokens // 1024, max_val_samples=8, size_limit="64mb")
+                write_token_shards(
+                    staging,
+                    tokenizer,
+                    "gpt2",
+                    corpus,
+                    docs[:2000],
+                    max_length=1024,
+                    max_train_samples=tokens // 1024,
+                    max_val_samples=8,
+                    size_limit="64mb",
+                )
                 store.commit(key, staging, {"scan": token_checks.scan(staging)})
             mb = store.read_manifest(key).num_bytes / 1e6
-            rows.append(("token_shards", f"{tokens:.0e} tokens", mb, *measure(store, key, token_checks.scan, judge_tokens, 3)))
+            rows.append(
+                ("token_shards", f"{tokens:.0e} tokens", mb, *measure(store, key, token_checks.scan, judge_tokens, 3))
+            )
         source = load_fashion_mnist(data / "fashion-mnist")
         for images in (10**3, 10**4, 5 * 10**4):
-            train = ImageSplit(source.train.images[:images], source.train.labels[:images], source.train.origins[:images])
+            train = ImageSplit(
+                source.train.images[:images], source.train.labels[:images], source.train.origins[:images]
+            )
             sized = ImageSource(source.name, source.class_names, train, source.eval)
             key = f"occlusion_manifests/{images}"
             with store.staging_dir(key) as staging:
-                write_occlusion_manifests(sized, staging, num_train=None, num_validation=1000,
-                                          train_box=BOUNDS["train"], validation_box=BOUNDS["validation"], seed=0)
+                write_occlusion_manifests(
+                    sized,
+                    staging,
+                    num_train=None,
+                    num_validation=1000,
+                    train_box=BOUNDS["train"],
+                    validation_box=BOUNDS["validation"],
+                    seed=0,
+                )
                 store.commit(key, staging, {"scan": occlusion_checks.scan(staging, BOUNDS)})
             mb = store.read_manifest(key).num_bytes / 1e6
             scan = lambda root: occlusion_checks.scan(root, BOUNDS)  # noqa: E731
-            rows.append(("occlusion_manifests", f"{images:,} + 1,000 images", mb, *measure(store, key, scan, judge_images, 4)))
+            rows.append(
+                ("occlusion_manifests", f"{images:,} + 1,000 images", mb, *measure(store, key, scan, judge_images, 4))
+            )
     print("\nData checks: seconds for all of an asset's checks (local store, this machine)\n")
     print("| asset | size | MB | seed: each check re-reads | build: one shared scan | cache hit | hit vs seed |")
     print("|---|---|---:|---:|---:|---:|---:|")

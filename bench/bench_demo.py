@@ -29,8 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 def execute(env: dict, config: Path | None) -> float:
     command = [sys.executable, "-m", "dagster", "job", "execute", "-m", "vlm_assets.definitions", "-j", "main_job"]
     started = time.perf_counter()
-    proc = subprocess.run(command + (["-c", str(config)] if config else []), cwd=REPO, env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        command + (["-c", str(config)] if config else []), cwd=REPO, env=env, capture_output=True, text=True
+    )
     seconds = time.perf_counter() - started
     if proc.returncode:
         sys.exit(f"main_job failed ({proc.returncode}) after {seconds:.0f} s:\n{(proc.stdout + proc.stderr)[-5000:]}")
@@ -60,7 +61,12 @@ def main() -> None:
     home = args.home or Path(tempfile.mkdtemp(prefix="bench-demo-"))
     (home / "dagster").mkdir(parents=True, exist_ok=True)
     (home / "dagster" / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
-    env = {**os.environ, "VLM_ASSETS_HOME": str(home), "DAGSTER_HOME": str(home / "dagster"), "VLM_ASSETS_PROFILE": "demo"}
+    env = {
+        **os.environ,
+        "VLM_ASSETS_HOME": str(home),
+        "DAGSTER_HOME": str(home / "dagster"),
+        "VLM_ASSETS_PROFILE": "demo",
+    }
     env.pop("MLFLOW_TRACKING_URI", None)
 
     rows, times = [], {}
@@ -68,10 +74,20 @@ def main() -> None:
         config = None
         if n:
             config = home / f"seed-{seed}.yaml"
-            config.write_text(json.dumps({"ops": {"visualchat_model": {"config": {"seed": seed}},
-                                                  "occlusion_adapter": {"config": {"seed": seed}}}}))
+            config.write_text(
+                json.dumps(
+                    {
+                        "ops": {
+                            "visualchat_model": {"config": {"seed": seed}},
+                            "occlusion_adapter": {"config": {"seed": seed}},
+                        }
+                    }
+                )
+            )
         seconds = execute(env, config)
-        times[f"main_job, training seed {seed}" + (" (first run, fresh home)" if n == 0 else " (data and GPT cached)")] = seconds
+        times[
+            f"main_job, training seed {seed}" + (" (first run, fresh home)" if n == 0 else " (data and GPT cached)")
+        ] = seconds
         if n == 0:
             times["main_job rerun (every asset a cache hit)"] = execute(env, None)
         report = json.loads((newest(home, "eval_report") / "eval.json").read_text())
@@ -79,20 +95,27 @@ def main() -> None:
         rows.append((seed, report, chat))
 
     print(f"\nmeasured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores, home {home}\n")
-    print("| training seed | images | clean | occluded, identity | occluded, adapter | gain [95% CI] | McNemar p | gap recovered |")
+    print(
+        "| training seed | images | clean | occluded, identity | occluded, adapter | gain [95% CI] | McNemar p "
+        "| gap recovered |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for seed, r, _ in rows:
-        print(f"| {seed} | {r['num_samples']} | {pct(r['accuracy_clean'])} {interval(*r['accuracy_clean_ci95'])} "
-              f"| {pct(r['accuracy_identity'])} {interval(*r['accuracy_identity_ci95'])} "
-              f"| {pct(r['accuracy_adapter'])} {interval(*r['accuracy_adapter_ci95'])} "
-              f"| {100 * r['adapter_gain']:+.1f} pts {interval(*r['adapter_gain_ci95'], signed=True)} "
-              f"| {r['adapter_gain_p_value']:.2g} | {r.get('gap_recovered', float('nan')):.0%} |")
+        print(
+            f"| {seed} | {r['num_samples']} | {pct(r['accuracy_clean'])} {interval(*r['accuracy_clean_ci95'])} "
+            f"| {pct(r['accuracy_identity'])} {interval(*r['accuracy_identity_ci95'])} "
+            f"| {pct(r['accuracy_adapter'])} {interval(*r['accuracy_adapter_ci95'])} "
+            f"| {100 * r['adapter_gain']:+.1f} pts {interval(*r['adapter_gain_ci95'], signed=True)} "
+            f"| {r['adapter_gain_p_value']:.2g} | {r.get('gap_recovered', float('nan')):.0%} |"
+        )
     print("\n| training seed | VisualChat VQA asked | images | exact match [95% CI] | chance |")
     print("|---:|---|---:|---:|---:|")
     for seed, _, chat in rows:
         for name, result in chat["vqa"].items():
-            print(f"| {seed} | {name.replace('_', ' ')} | {result['num_images']} | {pct(result['exact_match'])} "
-                  f"{interval(*result['ci95'])} | {pct(chat['chance'])} |")
+            print(
+                f"| {seed} | {name.replace('_', ' ')} | {result['num_images']} | {pct(result['exact_match'])} "
+                f"{interval(*result['ci95'])} | {pct(chat['chance'])} |"
+            )
     print("\n| run | seconds |")
     print("|---|---:|")
     for name, seconds in times.items():

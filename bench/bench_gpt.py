@@ -56,8 +56,9 @@ class SeedGPT(GPT):
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
-                               ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
+        )
         return logits, loss
 
 
@@ -121,8 +122,10 @@ def main() -> None:
             if cuda:
                 torch.cuda.empty_cache()
     where = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"\nGPT training step (fwd+bwd+AdamW), batch {args.batch} x {args.seq} real tokens, {where}, "
-          f"{'bf16 autocast' if cuda else 'fp32'}\n")
+    print(
+        f"\nGPT training step (fwd+bwd+AdamW), batch {args.batch} x {args.seq} real tokens, {where}, "
+        f"{'bf16 autocast' if cuda else 'fp32'}\n"
+    )
     print("| preset | model | tokens/s | speed-up | MFU |\n|---|---|---:|---:|---:|")
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if not math.isnan(r["mfu"]) else "n/a (CPU)"

@@ -48,15 +48,24 @@ def main() -> None:
     load_s = time.perf_counter() - started
     n = args.num
     train = ImageSplit(source.train.images[:n], source.train.labels[:n], source.train.origins[:n])
-    small = ImageSource(source.name, source.class_names, train, ImageSplit(train.images[:10], train.labels[:10], train.origins[:10]))
+    small = ImageSource(
+        source.name, source.class_names, train, ImageSplit(train.images[:10], train.labels[:10], train.origins[:10])
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         seed_baseline(train, source.class_names, Path(tmp) / "seed")
         rows.append(("seed: PIL resize 224 + PNG per image", time.perf_counter() - t, disk_bytes(Path(tmp) / "seed")))
         t = time.perf_counter()
-        write_occlusion_manifests(small, Path(tmp) / "ours", num_train=None, num_validation=None,
-                                  train_box=BoxBounds(0.22, 0.42), validation_box=BoxBounds(0.28, 0.45), seed=7)
+        write_occlusion_manifests(
+            small,
+            Path(tmp) / "ours",
+            num_train=None,
+            num_validation=None,
+            train_box=BoxBounds(0.22, 0.42),
+            validation_box=BoxBounds(0.28, 0.45),
+            seed=7,
+        )
         rows.append(("vlm_assets: packed .npy at source res", time.perf_counter() - t, disk_bytes(Path(tmp) / "ours")))
     base = rows[0][1]
     print(f"\nOcclusion manifests, {n} Fashion-MNIST train images (source decode: {load_s:.2f} s, shared)\n")

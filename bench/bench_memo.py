@@ -18,8 +18,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run(env) -> tuple[float, str]:
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "dagster", "job", "execute", "-m", "vlm_assets.definitions",
-                           "-j", "main_job"], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dagster", "job", "execute", "-m", "vlm_assets.definitions", "-j", "main_job"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return time.perf_counter() - t, proc.stdout + proc.stderr
 
 
@@ -32,7 +38,12 @@ def step_seconds(log: str, step: str) -> str:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "VLM_ASSETS_HOME": f"{tmp}/home", "DAGSTER_HOME": f"{tmp}/dagster", "VLM_ASSETS_PROFILE": "demo"}
+        env = {
+            **os.environ,
+            "VLM_ASSETS_HOME": f"{tmp}/home",
+            "DAGSTER_HOME": f"{tmp}/dagster",
+            "VLM_ASSETS_PROFILE": "demo",
+        }
         env.pop("MLFLOW_TRACKING_URI", None)
         Path(f"{tmp}/dagster").mkdir()
         Path(f"{tmp}/dagster/dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
@@ -42,8 +53,10 @@ def main() -> None:
     print("| run | wall s | occlusion_manifests step | token_shards step | cache hits |")
     print("|---|---:|---:|---:|---:|")
     for name, wall, log in (("first (builds)", first, log1), ("second (memoized)", second, log2)):
-        print(f"| {name} | {wall:.1f} | {step_seconds(log, 'occlusion_manifests')} | "
-              f"{step_seconds(log, 'token_shards')} | {log.count('cache hit:')} |")
+        print(
+            f"| {name} | {wall:.1f} | {step_seconds(log, 'occlusion_manifests')} | "
+            f"{step_seconds(log, 'token_shards')} | {log.count('cache hit:')} |"
+        )
     print(f"\nsecond / first = {second / first:.2f}")
 
 

@@ -37,7 +37,7 @@ def per_document_blocks(tokenizer, docs):
 def hf_batched_blocks(tokenizer, docs, batch=512):
     buffer = []
     for i in range(0, len(docs), batch):
-        for ids in tokenizer(docs[i:i + batch], add_special_tokens=False)["input_ids"]:
+        for ids in tokenizer(docs[i : i + batch], add_special_tokens=False)["input_ids"]:
             buffer.extend(ids + [tokenizer.eos_token_id])
         while len(buffer) >= MAX_LENGTH:
             yield np.asarray(buffer[:MAX_LENGTH], np.int32)
@@ -52,11 +52,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for copies in (1, 4):
             corpus = docs * copies
-            for i, (name, blocks) in enumerate((
+            for i, (name, blocks) in enumerate(
+                (
                     ("per-document HF tokenize (seed)", per_document_blocks(tokenizer, corpus)),
                     ("batched HF fast tokenizer", hf_batched_blocks(tokenizer, corpus)),
-                    ("pack_blocks: tiktoken, GPT-2 ranks, 1 process per core",
-                     pack_blocks(tokenizer, corpus, MAX_LENGTH, None)))):
+                    (
+                        "pack_blocks: tiktoken, GPT-2 ranks, 1 process per core",
+                        pack_blocks(tokenizer, corpus, MAX_LENGTH, None),
+                    ),
+                )
+            ):
                 out = Path(tmp) / f"run{copies}-{i}"
                 gc.collect()
                 t = time.perf_counter()
@@ -69,7 +74,9 @@ def main() -> None:
         (out / "val").symlink_to(out / "train")
         reads = []
         for workers in (0, 2):
-            loaders = build_token_dataloaders(str(out), Path(tmp) / f"cache{workers}", batch_size=32, num_workers=workers)
+            loaders = build_token_dataloaders(
+                str(out), Path(tmp) / f"cache{workers}", batch_size=32, num_workers=workers
+            )
             t = time.perf_counter()
             tokens = sum(batch["input_ids"].numel() for batch in loaders.train)
             reads.append((workers, tokens, time.perf_counter() - t))
@@ -79,8 +86,10 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for copies, name, tokens, tokenize, total in rows:
         base = next(r for r in rows if r[0] == copies)
-        print(f"| x{copies} | {name} | {tokens:,} | {tokenize:.2f} | {base[3] / tokenize:.1f}x | {total:.2f} "
-              f"| {tokens / total / 1e6:.2f} M | {base[4] / total:.1f}x |")
+        print(
+            f"| x{copies} | {name} | {tokens:,} | {tokenize:.2f} | {base[3] / tokenize:.1f}x | {total:.2f} "
+            f"| {tokens / total / 1e6:.2f} M | {base[4] / total:.1f}x |"
+        )
     print("\n| read back (StreamingDataset + DataLoader, batch 32) | tokens | seconds | tokens/s |")
     print("|---|---:|---:|---:|")
     for workers, tokens, seconds in reads:

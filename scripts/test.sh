@@ -12,6 +12,10 @@ mkdir -p "$(dirname "$testbed_lock")"
 (flock "$testbed_lock" "$repo/vlm_assets_tests/k8s/testbed/build.sh" > "${testbed_lock%.lock}.log" 2>&1 || true) &
 source "$repo/scripts/bootstrap.sh"
 cd "$repo"
+# Lint, format and the layer contracts (pyproject.toml) first: a seconds-long failure, not an hour's.
+layers="$(lint-imports --no-logo --no-cache 2>&1)" || { echo "$layers" >&2; echo "a layer contract is broken (pyproject.toml)" >&2; exit 1; }
+ruff check --quiet . && ruff format --check --quiet . \
+  || { echo "lint failed: 'ruff check --fix . && ruff format .' fixes most of it" >&2; exit 1; }
 marker=(-m "not gpu")
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then marker=(); fi
 exec python -m pytest "${marker[@]}" -p no:cacheprovider "$@"

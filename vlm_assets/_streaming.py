@@ -17,7 +17,14 @@ import streaming  # noqa: E402
 from streaming import LocalDataset, MDSWriter, StreamingDataset  # noqa: E402
 from streaming.base.util import clean_stale_shared_memory  # noqa: E402
 
-__all__ = ["LocalDataset", "MDSWriter", "StreamingDataset", "clean_stale_shared_memory", "streaming", "streaming_dataset"]
+__all__ = [
+    "LocalDataset",
+    "MDSWriter",
+    "StreamingDataset",
+    "clean_stale_shared_memory",
+    "streaming",
+    "streaming_dataset",
+]
 
 from vlm_assets.launch.spec import SHARED_HOST_ENV  # noqa: E402
 

@@ -55,8 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     messages: list[dict] = []
     images: list[torch.Tensor] = []
     pending: list[dict] = []
-    print(f"VisualChat {directory} ({model.spec['encoder_kind']} + {model.spec['projection']}): "
-          "/image PATH attaches an image, /reset, /quit", flush=True)
+    print(
+        f"VisualChat {directory} ({model.spec['encoder_kind']} + {model.spec['projection']}): "
+        "/image PATH attaches an image, /reset, /quit",
+        flush=True,
+    )
     while True:
         try:
             line = input(PROMPT).strip()
@@ -89,11 +92,17 @@ def main(argv: list[str] | None = None) -> int:
         tokens: list[int] = []
         shown = ""
         print("visualchat> ", end="", flush=True)
-        for token in model.stream(ids, pixels, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  top_p=args.top_p, generator=generator):
+        for token in model.stream(
+            ids,
+            pixels,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            generator=generator,
+        ):
             tokens.append(token)
             text = model.tokenizer.decode(tokens, skip_special_tokens=True)
-            print(text[len(shown):], end="", flush=True)
+            print(text[len(shown) :], end="", flush=True)
             shown = text
         print(flush=True)
         messages.append({"role": "assistant", "content": shown})

@@ -12,8 +12,16 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def report_progress(items: Iterable[T], desc: str, log: Callable[[str], None] | None, *, total: int | None = None,
-                    unit: str = "items", every_s: float = 10.0, size: Callable[[T], int] = lambda _: 1) -> Iterator[T]:
+def report_progress(
+    items: Iterable[T],
+    desc: str,
+    log: Callable[[str], None] | None,
+    *,
+    total: int | None = None,
+    unit: str = "items",
+    every_s: float = 10.0,
+    size: Callable[[T], int] = lambda _: 1,
+) -> Iterator[T]:
     """Yield ``items`` unchanged, logging ``desc: done[/total] unit (rate/s)`` now and then."""
     if log is None:
         yield from items

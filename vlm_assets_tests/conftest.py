@@ -69,8 +69,13 @@ class Embedded:
     def materialize(self, assets, run_config=None, raise_on_error=True, **resources):
         import dagster as dg
 
-        return dg.materialize(assets, resources={**self.resources, **resources}, run_config=run_config or {},
-                              instance=self.instance, raise_on_error=raise_on_error)
+        return dg.materialize(
+            assets,
+            resources={**self.resources, **resources},
+            run_config=run_config or {},
+            instance=self.instance,
+            raise_on_error=raise_on_error,
+        )
 
 
 def default_signals() -> None:
@@ -92,8 +97,11 @@ def free_port() -> int:
 def s3_endpoint():
     """moto's standalone S3 server as a separate process on loopback: real HTTP, real boto3 client."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30
     while time.time() < deadline:
@@ -156,6 +164,7 @@ def write_cifar_tarball(path: Path, images: np.ndarray, labels: np.ndarray) -> P
 
     Batches are built from the real images (cycled) so every class appears in train and test.
     """
+
     def batch(idx):
         data = images[idx].transpose(0, 3, 1, 2).reshape(len(idx), -1)
         return {b"data": data, b"labels": labels[idx].tolist(), b"batch_label": b"x", b"filenames": []}
@@ -200,8 +209,13 @@ class IsolatedEnv:
 
         with pytest.MonkeyPatch.context() as mp, dg.instance_for_test() as instance:
             mp.setenv("VLM_ASSETS_HOME", str(self.root / "home"))
-            result = dg.materialize(self.graph, resources=self.resources, run_config=run_config, instance=instance,
-                                    raise_on_error=raise_on_error)
+            result = dg.materialize(
+                self.graph,
+                resources=self.resources,
+                run_config=run_config,
+                instance=instance,
+                raise_on_error=raise_on_error,
+            )
             self.log_messages = [entry.user_message for entry in instance.all_logs(result.run_id)]
             return result
 
@@ -236,13 +250,16 @@ class KilledAndRelaunched:
         from mlflow import MlflowClient
 
         client = MlflowClient(self.mlflow_uri)
-        runs = client.search_runs([client.get_experiment_by_name("vlm_assets").experiment_id],
-                                  filter_string=f"tags.`dagster.asset` = '{asset}'")
+        runs = client.search_runs(
+            [client.get_experiment_by_name("vlm_assets").experiment_id],
+            filter_string=f"tags.`dagster.asset` = '{asset}'",
+        )
         return sorted(r.info.status for r in runs)
 
 
-def kill_mid_training_and_relaunch(tmp_path: Path, job: str, run_config: dict, asset: str,
-                                   checkpoints_before_kill: int, executor: str) -> KilledAndRelaunched:
+def kill_mid_training_and_relaunch(
+    tmp_path: Path, job: str, run_config: dict, asset: str, checkpoints_before_kill: int, executor: str
+) -> KilledAndRelaunched:
     """`dagster job execute -j <job>` SIGKILLed once ``checkpoints_before_kill`` checkpoints of
     ``asset`` are committed, as an OOM killer or a lost session would; asserts that no step process,
     agent or worker outlives it (10 s) and that nothing is committed after it; then relaunches the
@@ -259,12 +276,28 @@ def kill_mid_training_and_relaunch(tmp_path: Path, job: str, run_config: dict, a
     (tmp_path / "dagster" / "dagster.yaml").write_text((repo / "dagster.yaml").read_text())
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     MlflowClient(mlflow_uri).search_experiments()  # create the store before two processes use it
-    env = {**os.environ, "VLM_ASSETS_HOME": str(tmp_path / "home"), "DAGSTER_HOME": str(tmp_path / "dagster"),
-           "MLFLOW_TRACKING_URI": mlflow_uri, "VLM_ASSETS_LEASE_TTL_S": "5"}
+    env = {
+        **os.environ,
+        "VLM_ASSETS_HOME": str(tmp_path / "home"),
+        "DAGSTER_HOME": str(tmp_path / "dagster"),
+        "MLFLOW_TRACKING_URI": mlflow_uri,
+        "VLM_ASSETS_LEASE_TTL_S": "5",
+    }
     config = tmp_path / "run_config.yaml"  # JSON is YAML
     config.write_text(json.dumps({**run_config, "execution": {"config": {executor: {}}}}))
-    command = [sys.executable, "-m", "dagster", "job", "execute", "-m", "vlm_assets.definitions",
-               "-j", job, "-c", str(config)]
+    command = [
+        sys.executable,
+        "-m",
+        "dagster",
+        "job",
+        "execute",
+        "-m",
+        "vlm_assets.definitions",
+        "-j",
+        job,
+        "-c",
+        str(config),
+    ]
     checkpoints = tmp_path / "home" / "artifacts" / "checkpoints" / asset
 
     def committed():

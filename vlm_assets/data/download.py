@@ -13,7 +13,6 @@ from urllib.parse import urlparse
 
 from vlm_assets.progress import report_progress
 
-
 _CHUNK = 1 << 20
 
 
@@ -61,8 +60,14 @@ def fetch(uri: str, cache_dir: Path, md5: str | None = None, log: Callable[[str]
                 raise ValueError(f"cannot download {uri}: {err}") from err
             with response:
                 chunks = iter(lambda: response.read(_CHUNK), b"")
-                for chunk in report_progress(chunks, f"download {name}", log, unit="bytes", size=len,
-                                             total=int(response.headers.get("Content-Length") or 0) or None):
+                for chunk in report_progress(
+                    chunks,
+                    f"download {name}",
+                    log,
+                    unit="bytes",
+                    size=len,
+                    total=int(response.headers.get("Content-Length") or 0) or None,
+                ):
                     out.write(chunk)
         if md5 and (actual := md5_file(tmp)) != md5:
             raise ValueError(f"{uri}: downloaded file has md5 {actual}, expected {md5} (corrupt or truncated)")
@@ -70,4 +75,3 @@ def fetch(uri: str, cache_dir: Path, md5: str | None = None, log: Callable[[str]
     finally:
         tmp.unlink(missing_ok=True)
     return target
-

@@ -22,8 +22,16 @@ CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
 FASHION_MNIST_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 FASHION_MNIST_CLASSES = [
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
 ]
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
@@ -76,8 +84,10 @@ def load_cifar10_tarball(path: Path) -> ImageSource:
                     batch = unpickle(name)
                     data = np.asarray(batch[b"data"], dtype=np.uint8)
                     if data.ndim != 2 or data.shape[1] != 3072 or len(data) != len(batch[b"labels"]):
-                        raise ValueError(f"{path}: member '{members[name].name}' has data of shape {data.shape}, "
-                                         f"expected (N, 3072) with one label per row")
+                        raise ValueError(
+                            f"{path}: member '{members[name].name}' has data of shape {data.shape}, "
+                            f"expected (N, 3072) with one label per row"
+                        )
                     images.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
                     labels.extend(batch[b"labels"])
                     origins.extend(f"{members[name].name}#{i}" for i in range(len(data)))
@@ -97,14 +107,18 @@ _IDX_DTYPES = {0x08: np.uint8}
 def read_idx(path: Path) -> np.ndarray:
     """Parse an (optionally gzipped) idx file; truncated or malformed files raise ``ValueError``."""
     try:
-        raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
+        if path.suffix == ".gz":
+            with gzip.open(path) as f:
+                raw = f.read()
+        else:
+            raw = path.read_bytes()
     except (OSError, EOFError, zlib.error) as err:
         raise ValueError(f"{path}: corrupt or truncated gzip: {err}") from err
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
         raise ValueError(f"{path}: not an idx file of unsigned bytes (bad magic {raw[:4].hex()})")
     ndim = raw[3]
     header = 4 + 4 * ndim
-    shape = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     expected = header + int(np.prod(shape))
     if len(raw) != expected:
         raise ValueError(f"{path}: truncated idx file, {len(raw)} bytes for shape {shape} (expected {expected})")
@@ -144,8 +158,13 @@ _TRAIN_DIRS = ("train",)
 _EVAL_DIRS = ("test", "eval", "validation", "val")
 
 
-def load_image_folder(root: Path, resize_to: int | None = None, validation_fraction: float = 0.1, seed: int = 0,
-                      log: Callable[[str], None] = print) -> ImageSource:
+def load_image_folder(
+    root: Path,
+    resize_to: int | None = None,
+    validation_fraction: float = 0.1,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> ImageSource:
     """Read ``root/train/<class>/*`` and ``root/{test,eval,validation,val}/<class>/*``.
 
     Class names are the sub-folder names of ``train`` (sorted). All images must share one size unless
@@ -160,8 +179,10 @@ def load_image_folder(root: Path, resize_to: int | None = None, validation_fract
     if not any((root / name).is_dir() for name in _EVAL_DIRS):
         train = _read_split(train_dir, class_names, resize_to)
         keep, held = stratified_split(train.labels, validation_fraction, seed)
-        log(f"{root}: no {'/'.join(_EVAL_DIRS)} folder; holding out {len(held)} of {len(train.labels)} train images "
-            f"({validation_fraction:.0%} per class, seed {seed}) as the validation split")
+        log(
+            f"{root}: no {'/'.join(_EVAL_DIRS)} folder; holding out {len(held)} of {len(train.labels)} train images "
+            f"({validation_fraction:.0%} per class, seed {seed}) as the validation split"
+        )
         return ImageSource(root.name, class_names, _take(train, keep), _take(train, held))
     eval_dir = _pick_dir(root, _EVAL_DIRS)
     eval_classes = sorted(d.name for d in eval_dir.iterdir() if d.is_dir())
@@ -201,8 +222,10 @@ def _pick_dir(root: Path, names: tuple[str, ...]) -> Path:
         if (root / name).is_dir():
             return root / name
     found = sorted(p.name for p in root.iterdir())
-    raise ValueError(f"{root}: unknown class folder layout, expected a sub-folder named one of {list(names)} "
-                     f"holding one folder per class; found {found}")
+    raise ValueError(
+        f"{root}: unknown class folder layout, expected a sub-folder named one of {list(names)} "
+        f"holding one folder per class; found {found}"
+    )
 
 
 def _read_split(split_dir: Path, class_names: list[str], resize_to: int | None) -> ImageSplit:
@@ -224,8 +247,10 @@ def _read_split(split_dir: Path, class_names: list[str], resize_to: int | None) 
             if shape is None:
                 shape = array.shape
             elif array.shape != shape:
-                raise ValueError(f"{file}: size {array.shape[1]}x{array.shape[0]} differs from "
-                                 f"{shape[1]}x{shape[0]} of the first image; set resize_to")
+                raise ValueError(
+                    f"{file}: size {array.shape[1]}x{array.shape[0]} differs from "
+                    f"{shape[1]}x{shape[0]} of the first image; set resize_to"
+                )
             images.append(array)
             labels.append(index)
             origins.append(str(file.relative_to(split_dir.parent)))
@@ -236,6 +261,7 @@ def _check_labels(source: ImageSource, where: str) -> None:
     for split_name, split in (("train", source.train), ("eval", source.eval)):
         bad = np.flatnonzero((split.labels < 0) | (split.labels >= len(source.class_names)))
         if len(bad):
-            raise ValueError(f"{where}: record {split.origins[bad[0]]} of the {split_name} split has label "
-                             f"{split.labels[bad[0]]}, outside 0..{len(source.class_names) - 1}")
-
+            raise ValueError(
+                f"{where}: record {split.origins[bad[0]]} of the {split_name} split has label "
+                f"{split.labels[bad[0]]}, outside 0..{len(source.class_names) - 1}"
+            )

@@ -31,8 +31,17 @@ PROMPT_TEMPLATE = (
     "The image may be partially occluded. Answer with exactly one {dataset} class label: {labels}. "
     "What is the main object?"
 )
-_REQUIRED_FIELDS = {"id": str, "image": str, "index": int, "label": str, "label_index": int,
-                    "prompt": str, "box": list, "width": int, "height": int}
+_REQUIRED_FIELDS = {
+    "id": str,
+    "image": str,
+    "index": int,
+    "label": str,
+    "label_index": int,
+    "prompt": str,
+    "box": list,
+    "width": int,
+    "height": int,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,15 +53,18 @@ class BoxBounds:
 
     def __post_init__(self):
         if not 0 < self.min_fraction <= self.max_fraction < 1:
-            raise ValueError(f"box fractions must satisfy 0 < min <= max < 1, got "
-                             f"min={self.min_fraction}, max={self.max_fraction}")
+            raise ValueError(
+                f"box fractions must satisfy 0 < min <= max < 1, got min={self.min_fraction}, max={self.max_fraction}"
+            )
 
     def pixel_range(self, side: int) -> tuple[int, int]:
         """Smallest and largest box side in pixels whose fraction of ``side`` stays within bounds."""
         low, high = math.ceil(self.min_fraction * side - 1e-9), math.floor(self.max_fraction * side + 1e-9)
         if low > high or low < 1:
-            raise ValueError(f"an image side of {side} px admits no box between {self.min_fraction:.0%} "
-                             f"and {self.max_fraction:.0%} of it")
+            raise ValueError(
+                f"an image side of {side} px admits no box between {self.min_fraction:.0%} "
+                f"and {self.max_fraction:.0%} of it"
+            )
         return low, high
 
 
@@ -68,8 +80,9 @@ def sample_boxes(rng: np.random.Generator, n: int, width: int, height: int, boun
     return boxes
 
 
-def balanced_subset(rng: np.random.Generator, labels: np.ndarray, num_classes: int, count: int | None,
-                    split: str) -> np.ndarray:
+def balanced_subset(
+    rng: np.random.Generator, labels: np.ndarray, num_classes: int, count: int | None, split: str
+) -> np.ndarray:
     """Indices of ``count`` images, as equal per class as possible (seeded); all images if ``None``."""
     if count is None:
         return np.arange(len(labels))
@@ -81,8 +94,9 @@ def balanced_subset(rng: np.random.Generator, labels: np.ndarray, num_classes: i
     for cls in range(num_classes):
         members = np.flatnonzero(labels == cls)
         if len(members) < quota[cls]:
-            raise ValueError(f"num_{split}={count} needs {quota[cls]} images of class {cls}, "
-                             f"the source has {len(members)}")
+            raise ValueError(
+                f"num_{split}={count} needs {quota[cls]} images of class {cls}, the source has {len(members)}"
+            )
         picked.append(rng.permutation(members)[: quota[cls]])
     return np.sort(np.concatenate(picked))
 
@@ -101,7 +115,10 @@ def write_occlusion_manifests(
     prompt = PROMPT_TEMPLATE.format(dataset=source.name, labels=", ".join(source.class_names))
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {
-        "name": source.name, "class_names": source.class_names, "prompt": prompt, "seed": seed,
+        "name": source.name,
+        "class_names": source.class_names,
+        "prompt": prompt,
+        "seed": seed,
         "box_bounds": {"train": dataclasses.asdict(train_box), "validation": dataclasses.asdict(validation_box)},
         "splits": {},
     }
@@ -117,14 +134,28 @@ def write_occlusion_manifests(
         with open(out_dir / f"{split}.jsonl", "w") as f:
             for row, (src, box) in enumerate(zip(index, boxes.tolist())):
                 label_index = int(data.labels[src])
-                f.write(json.dumps({
-                    "id": f"{split}-{row:06d}", "image": image_ref, "index": row,
-                    "label": source.class_names[label_index], "label_index": label_index,
-                    "prompt": prompt, "box": box, "width": int(width), "height": int(height),
-                    "origin": data.origins[src],
-                }) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "id": f"{split}-{row:06d}",
+                            "image": image_ref,
+                            "index": row,
+                            "label": source.class_names[label_index],
+                            "label_index": label_index,
+                            "prompt": prompt,
+                            "box": box,
+                            "width": int(width),
+                            "height": int(height),
+                            "origin": data.origins[src],
+                        }
+                    )
+                    + "\n"
+                )
         summary["splits"][split] = {
-            "num_images": len(index), "width": int(width), "height": int(height), "channels": int(images.shape[3]),
+            "num_images": len(index),
+            "width": int(width),
+            "height": int(height),
+            "channels": int(images.shape[3]),
             "class_counts": np.bincount(data.labels[index], minlength=len(source.class_names)).tolist(),
         }
     (out_dir / "dataset.json").write_text(json.dumps(summary, indent=1))
@@ -146,8 +177,9 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
                     raise ValueError(f"{where}: field '{field}' must be a {kind.__name__}, got {row.get(field)!r}")
             x0, y0, x1, y1 = _box(row, where)
             if not (0 <= x0 < x1 <= row["width"] and 0 <= y0 < y1 <= row["height"]):
-                raise ValueError(f"{where}: field 'box' {row['box']} lies outside the "
-                                 f"{row['width']}x{row['height']} image")
+                raise ValueError(
+                    f"{where}: field 'box' {row['box']} lies outside the {row['width']}x{row['height']} image"
+                )
             rows.append(row)
     return rows
 
@@ -178,11 +210,13 @@ class ManifestImages:
                 raise ValueError(f"{path}: unreadable image pack: {err}") from err
         array = self._arrays[ref]
         if not 0 <= row["index"] < len(array):
-            raise ValueError(f"{where or row['id']}: field 'index' {row['index']} is outside {ref} "
-                             f"({len(array)} images)")
+            raise ValueError(
+                f"{where or row['id']}: field 'index' {row['index']} is outside {ref} ({len(array)} images)"
+            )
         image = array[row["index"]]
         if image.shape[:2] != (row["height"], row["width"]):
-            raise ValueError(f"{where or row['id']}: stored image is {image.shape[1]}x{image.shape[0]}, the row says "
-                             f"{row['width']}x{row['height']}")
+            raise ValueError(
+                f"{where or row['id']}: stored image is {image.shape[1]}x{image.shape[0]}, the row says "
+                f"{row['width']}x{row['height']}"
+            )
         return image
-

@@ -27,8 +27,11 @@ def scan(root: Path, bounds: dict[str, BoxBounds]) -> dict[str, Any]:
     can be judged here; the balance tolerance is the check's own setting and is judged later."""
     summary = json.loads((root / "dataset.json").read_text())
     images = ManifestImages(root)
-    result: dict[str, Any] = {"num_classes": len(summary["class_names"]), "splits": {},
-                              "images": {"num_checked": 0, "error": None}}
+    result: dict[str, Any] = {
+        "num_classes": len(summary["class_names"]),
+        "splits": {},
+        "images": {"num_checked": 0, "error": None},
+    }
     for split in SPLITS:
         rows = read_manifest(root / f"{split}.jsonl")
         b = bounds[split]
@@ -37,12 +40,14 @@ def scan(root: Path, bounds: dict[str, BoxBounds]) -> dict[str, Any]:
         fractions = (boxes[:, 2:] - boxes[:, :2]) / sizes
         bad = np.flatnonzero(((fractions < b.min_fraction - 1e-9) | (fractions > b.max_fraction + 1e-9)).any(axis=1))
         result["splits"][split] = {
-            "num_rows": len(rows), "summary_num_images": summary["splits"][split]["num_images"],
+            "num_rows": len(rows),
+            "summary_num_images": summary["splits"][split]["num_images"],
             "class_counts": np.bincount([r["label_index"] for r in rows], minlength=result["num_classes"]).tolist(),
             "bounds": [b.min_fraction, b.max_fraction],
             "fraction_min": float(fractions.min()) if len(rows) else None,
             "fraction_max": float(fractions.max()) if len(rows) else None,
-            "num_outside": len(bad), "first_outside": [rows[bad[0]]["id"], rows[bad[0]]["box"]] if len(bad) else None,
+            "num_outside": len(bad),
+            "first_outside": [rows[bad[0]]["id"], rows[bad[0]]["box"]] if len(bad) else None,
         }
         for line_no, row in enumerate(rows, 1):
             if result["images"]["error"]:
@@ -82,10 +87,17 @@ def classes_balanced(scanned: dict[str, Any], tolerance: float, balanced: dict[s
         elif (np.abs(counts - expected) > tolerance * expected).any():
             message = f"{split}: class counts {counts.tolist()} deviate more than {tolerance:.0%} from {expected:.1f}"
             (failures if balanced[split] else warnings).append(
-                message if balanced[split] else message + " (the source's own distribution; no balanced subset asked for)")
+                message
+                if balanced[split]
+                else message + " (the source's own distribution; no balanced subset asked for)"
+            )
     problems = failures or warnings
-    return CheckOutcome(not problems, "; ".join(problems) or f"all {num_classes} classes present and balanced", meta,
-                        warning=not failures and bool(warnings))
+    return CheckOutcome(
+        not problems,
+        "; ".join(problems) or f"all {num_classes} classes present and balanced",
+        meta,
+        warning=not failures and bool(warnings),
+    )
 
 
 def counts_match(scanned: dict[str, Any], expected: dict[str, int | None]) -> CheckOutcome:
@@ -104,5 +116,6 @@ def images_readable(scanned: dict[str, Any]) -> CheckOutcome:
     images = scanned["images"]
     if images["error"]:
         return CheckOutcome(False, images["error"], {"num_checked": images["num_checked"]})
-    return CheckOutcome(True, f"all {images['num_checked']} referenced images are readable",
-                        {"num_checked": images["num_checked"]})
+    return CheckOutcome(
+        True, f"all {images['num_checked']} referenced images are readable", {"num_checked": images["num_checked"]}
+    )

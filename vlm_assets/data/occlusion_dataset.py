@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,7 +22,9 @@ def decode_png(data: bytes) -> np.ndarray:
         return np.asarray(image.convert("RGB"), dtype=np.uint8)
 
 
-def preprocess(image: np.ndarray, box: Sequence[int], image_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def preprocess(
+    image: np.ndarray, box: Sequence[int], image_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one preprocessing of training, evaluation and serving: (H, W, C) uint8 + a box in image
     pixels -> ``(occluded, clean, mask)`` at ``image_size`` x ``image_size``.
 
@@ -65,6 +68,48 @@ class OcclusionDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         row = self.rows[i]
-        occluded, clean, mask = preprocess(self.images.get(row, where=f"{self.manifest}:{i + 1}"), row["box"],
-                                           self.image_size)
+        occluded, clean, mask = preprocess(
+            self.images.get(row, where=f"{self.manifest}:{i + 1}"), row["box"], self.image_size
+        )
         return occluded, clean, mask, row["label_index"]
+
+
+class OcclusionSamples(Dataset):
+    """Manifest rows as dicts: occluded/clean pixels, mask, label index, prompt and answer text."""
+
+    def __init__(self, root: Path, split: str, image_size: int, limit: int | None):
+        self.images = OcclusionDataset(root, split, image_size)
+        self.count = len(self.images) if limit is None else min(limit, len(self.images))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def check_images(self) -> None:
+        """Open every row's image (memory-mapped, no decoding): a missing file or an index outside its
+        pack raises here, naming the manifest line, instead of mid-epoch in a worker."""
+        for i in range(self.count):
+            self.images.images.get(self.images.rows[i], where=f"{self.images.manifest}:{i + 1}")
+
+    def __getitem__(self, i: int) -> dict:
+        occluded, clean, mask, label_index = self.images[i]
+        row = self.images.rows[i]
+        return {
+            "occluded": occluded,
+            "clean": clean,
+            "mask": mask,
+            "label_index": label_index,
+            "prompt": row["prompt"],
+            "answer": row["label"],
+        }
+
+
+def collate(samples: list[dict]) -> dict:
+    out = {k: torch.stack([s[k] for s in samples]) for k in ("occluded", "clean", "mask")}
+    out["label_index"] = torch.tensor([s["label_index"] for s in samples])
+    out["prompt"] = [s["prompt"] for s in samples]
+    out["answer"] = [s["answer"] for s in samples]
+    return out
+
+
+def class_names(manifests_dir: Path) -> list[str]:
+    return json.loads((Path(manifests_dir) / "dataset.json").read_text())["class_names"]

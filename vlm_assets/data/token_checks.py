@@ -27,8 +27,9 @@ class SplitScan:
 def scan_split(split_dir: Path) -> SplitScan:
     """Decode every sample of every shard of one split; the first unreadable shard ends the scan."""
     # Imported here: streaming pulls in torch (seconds), and judging a recorded scan needs neither.
-    from vlm_assets._streaming import streaming  # noqa: F401  (registers the vision shim first)
     from streaming.base.format import reader_from_json
+
+    from vlm_assets._streaming import streaming  # noqa: F401  (registers the vision shim first)
 
     scan = SplitScan()
     try:
@@ -60,8 +61,11 @@ def scan(root: Path) -> dict[str, Any]:
     splits = {}
     for split in SPLITS:
         result = scan_split(root / split)
-        splits[split] = {**dataclasses.asdict(result), "lengths": sorted(result.lengths),
-                         "reported": summary["splits"][split]}
+        splits[split] = {
+            **dataclasses.asdict(result),
+            "lengths": sorted(result.lengths),
+            "reported": summary["splits"][split],
+        }
         if not result.error:
             splits[split]["num_shards"] = len(json.loads((root / split / "index.json").read_text())["shards"])
     return {"vocab_size": summary["vocab_size"], "max_length": summary["max_length"], "splits": splits}
@@ -89,8 +93,10 @@ def counts_match(scanned: dict[str, Any]) -> CheckOutcome:
         reported = s["reported"]
         meta[f"{split}_num_samples"], meta[f"{split}_num_tokens"] = s["num_samples"], s["num_tokens"]
         if (s["num_samples"], s["num_tokens"]) != (reported["num_samples"], reported["num_tokens"]):
-            failures.append(f"{split}: shards hold {s['num_samples']} samples / {s['num_tokens']} tokens, "
-                            f"tokens.json reports {reported['num_samples']} / {reported['num_tokens']}")
+            failures.append(
+                f"{split}: shards hold {s['num_samples']} samples / {s['num_tokens']} tokens, "
+                f"tokens.json reports {reported['num_samples']} / {reported['num_tokens']}"
+            )
         if s["lengths"] != [scanned["max_length"]]:
             failures.append(f"{split}: sample lengths {s['lengths']}, expected {scanned['max_length']}")
     return CheckOutcome(not failures, "; ".join(failures) or "sample and token counts match tokens.json", meta)

@@ -128,7 +128,8 @@ def encoded_batches(tokenizer, documents: Iterable[str], workers: int | None = N
     global _WORKER_ENCODER
     encoding = _tiktoken_encoding(tokenizer)
     workers = (os.cpu_count() or 1) if workers is None else workers
-    batches = iter(lambda docs=iter(documents): list(itertools.islice(docs, _TOKENIZE_BATCH)), [])
+    docs = iter(documents)
+    batches = iter(lambda: list(itertools.islice(docs, _TOKENIZE_BATCH)), [])
     _WORKER_ENCODER = (_batch_encoder(tokenizer, encoding), tokenizer.eos_token_id)
     if encoding is None or workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         yield from map(_encode_flat, batches)  # the HF tokenizer's batches are already parallel
@@ -197,12 +198,17 @@ def pack_blocks(tokenizer, documents: Iterable[str], max_length: int, max_sample
             if max_samples is not None and emitted >= max_samples:
                 return
             emitted += 1
-            yield buffer[i * max_length:(i + 1) * max_length]
-        buffer = buffer[num_blocks * max_length:]
+            yield buffer[i * max_length : (i + 1) * max_length]
+        buffer = buffer[num_blocks * max_length :]
 
 
-def write_split(out_dir: Path, blocks: Iterable[np.ndarray], size_limit: int | str, desc: str,
-                log: Callable[[str], None] | None = None) -> dict[str, int]:
+def write_split(
+    out_dir: Path,
+    blocks: Iterable[np.ndarray],
+    size_limit: int | str,
+    desc: str,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, int]:
     num_samples = 0
     with MDSWriter(out=str(out_dir), columns=COLUMNS, size_limit=size_limit) as writer:
         for block in report_progress(blocks, desc, log, unit="blocks"):
@@ -231,12 +237,21 @@ def write_token_shards(
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2, got {max_length}")
     summary: dict[str, Any] = {
-        "tokenizer": tokenizer_name, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
-        "max_length": max_length, "columns": COLUMNS, "splits": {},
+        "tokenizer": tokenizer_name,
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "max_length": max_length,
+        "columns": COLUMNS,
+        "splits": {},
     }
     for split, docs, limit in (("train", train_docs, max_train_samples), ("val", val_docs, max_val_samples)):
-        stats = write_split(out_dir / split, pack_blocks(tokenizer, docs, max_length, limit), size_limit,
-                            desc=f"{split} shards", log=log)
+        stats = write_split(
+            out_dir / split,
+            pack_blocks(tokenizer, docs, max_length, limit),
+            size_limit,
+            desc=f"{split} shards",
+            log=log,
+        )
         summary["splits"][split] = {**stats, "num_tokens": stats["num_samples"] * max_length}
     tokenizer.save_pretrained(out_dir / "tokenizer")
     (out_dir / "tokens.json").write_text(json.dumps(summary, indent=1))

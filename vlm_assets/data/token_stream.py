@@ -16,13 +16,13 @@ from vlm_assets._streaming import StreamingDataset, streaming_dataset
 def collate_tokens(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
     """Stack samples into int64 tensors; copies, since streaming hands out read-only arrays."""
     return {
-        key: torch.from_numpy(np.stack([s[key] for s in samples]).astype(np.int64))
-        for key in ("input_ids", "labels")
+        key: torch.from_numpy(np.stack([s[key] for s in samples]).astype(np.int64)) for key in ("input_ids", "labels")
     }
 
 
-def token_dataset(uri: str, split: str, *, cache_dir: str | Path | None = None, batch_size: int,
-                  shuffle: bool = False, seed: int = 0) -> StreamingDataset:
+def token_dataset(
+    uri: str, split: str, *, cache_dir: str | Path | None = None, batch_size: int, shuffle: bool = False, seed: int = 0
+) -> StreamingDataset:
     """A ``StreamingDataset`` over ``<uri>/<split>``; ``uri`` is a local directory or ``s3://...``.
 
     With a ``cache_dir`` the shards are copied or downloaded into ``cache_dir/<split>``: give every
@@ -39,8 +39,9 @@ def token_dataset(uri: str, split: str, *, cache_dir: str | Path | None = None, 
         remote, local = None, str(Path(uri) / split)
     else:  # copy (local) or download (s3) into this run's own directory
         remote, local = f"{uri.rstrip('/')}/{split}", str(Path(cache_dir) / split)
-    return streaming_dataset(remote=remote, local=local, split=None, shuffle=shuffle, shuffle_seed=seed,
-                            batch_size=batch_size)
+    return streaming_dataset(
+        remote=remote, local=local, split=None, shuffle=shuffle, shuffle_seed=seed, batch_size=batch_size
+    )
 
 
 @dataclasses.dataclass
@@ -51,8 +52,9 @@ class TokenLoaders:
     vocab_size: int
 
 
-def build_token_dataloaders(uri: str, local_dir: str | Path, *, batch_size: int, num_workers: int = 0,
-                            seed: int = 0) -> TokenLoaders:
+def build_token_dataloaders(
+    uri: str, local_dir: str | Path, *, batch_size: int, num_workers: int = 0, seed: int = 0
+) -> TokenLoaders:
     """Train (shuffled) and val loaders over a ``token_shards`` artifact; ``local_dir`` is per run."""
     summary_path = Path(local_dir) / "tokens.json" if uri.startswith("s3://") else Path(uri) / "tokens.json"
     if uri.startswith("s3://") and not summary_path.is_file():
@@ -60,8 +62,12 @@ def build_token_dataloaders(uri: str, local_dir: str | Path, *, batch_size: int,
     summary = json.loads(summary_path.read_text())
     loaders = {
         split: DataLoader(
-            token_dataset(uri, split, cache_dir=local_dir, batch_size=batch_size, shuffle=(split == "train"), seed=seed),
-            batch_size=batch_size, num_workers=num_workers, collate_fn=collate_tokens,
+            token_dataset(
+                uri, split, cache_dir=local_dir, batch_size=batch_size, shuffle=(split == "train"), seed=seed
+            ),
+            batch_size=batch_size,
+            num_workers=num_workers,
+            collate_fn=collate_tokens,
         )
         for split in ("train", "val")
     }

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlm_assets.models.frozen_vlm import IGNORE_INDEX
+from vlm_assets.data.tokens import IGNORE_INDEX, positions_from_segments
 
 DEFAULT_SYSTEM = "You are a helpful assistant that answers questions about images."
 ROLES = ("system", "user", "assistant")
@@ -39,8 +39,8 @@ ROLES = ("system", "user", "assistant")
 @dataclasses.dataclass(frozen=True)
 class ChatRecord:
     messages: list[dict]
-    images: list[str]   # resolved image references, in order of appearance
-    where: str          # "file:line" for errors
+    images: list[str]  # resolved image references, in order of appearance
+    where: str  # "file:line" for errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +106,15 @@ def read_chat_jsonl(path: Path, max_images: int) -> list[ChatRecord]:
     return records
 
 
-def render(record: ChatRecord, tokenizer, image_token_id: int, num_image_tokens: int, max_length: int, *,
-           open_answer: bool = False) -> Sample:
+def render(
+    record: ChatRecord,
+    tokenizer,
+    image_token_id: int,
+    num_image_tokens: int,
+    max_length: int,
+    *,
+    open_answer: bool = False,
+) -> Sample:
     """Token ids and labels of a record in the template (labels on the answers and their <eos> only);
     ``open_answer`` ends with the assistant's header, for the model to continue."""
     ids: list[int] = []
@@ -141,15 +148,17 @@ def render(record: ChatRecord, tokenizer, image_token_id: int, num_image_tokens:
     if open_answer:
         add("### Answer: ")
     if len(ids) > max_length:
-        raise ValueError(f"{record.where}: {len(ids)} tokens ({image_no} image(s) of {num_image_tokens}), "
-                         f"more than max_length {max_length}")
+        raise ValueError(
+            f"{record.where}: {len(ids)} tokens ({image_no} image(s) of {num_image_tokens}), "
+            f"more than max_length {max_length}"
+        )
     return Sample(ids, labels, record.images)
 
 
 def prompt_ids(messages: list[dict], tokenizer, image_token_id: int, num_image_tokens: int) -> list[int]:
     """A conversation so far, ending with the assistant's header: what the model continues (chat, eval)."""
     record = ChatRecord(messages, [], "prompt")
-    return render(record, tokenizer, image_token_id, num_image_tokens, max_length=10 ** 9, open_answer=True).ids
+    return render(record, tokenizer, image_token_id, num_image_tokens, max_length=10**9, open_answer=True).ids
 
 
 def text_of(content) -> str:
@@ -160,9 +169,18 @@ def text_of(content) -> str:
 # -- the occlusion manifests as chat data ------------------------------------------------------------
 # Other ways to ask what an image shows, for ``phrased`` VQA records; the evaluation's held-out phrasings
 # (``vlm_assets.evaluate.visualchat_eval.HELD_OUT_PHRASINGS``) are none of these.
-TRAIN_PHRASINGS = ("What is shown?", "What is in this image?", "Which item is this?", "What kind of item is pictured?",
-                   "Identify the object.", "What clothing item or accessory is this?", "Tell me what this is.",
-                   "Classify this picture.", "What does the image show?", "What is it?")
+TRAIN_PHRASINGS = (
+    "What is shown?",
+    "What is in this image?",
+    "Which item is this?",
+    "What kind of item is pictured?",
+    "Identify the object.",
+    "What clothing item or accessory is this?",
+    "Tell me what this is.",
+    "Classify this picture.",
+    "What does the image show?",
+    "What is it?",
+)
 
 
 def manifest_records(root: Path, split: str, *, pairs: int = 0, phrased: int = 0, seed: int = 0) -> list[ChatRecord]:
@@ -175,9 +193,19 @@ def manifest_records(root: Path, split: str, *, pairs: int = 0, phrased: int = 0
     records = []
     for line_no, row in enumerate(rows, 1):
         ref = f"{images}#{row['index']}"
-        records.append(ChatRecord([
-            {"role": "user", "content": [{"type": "image", "image": ref}, {"type": "text", "text": row["prompt"]}]},
-            {"role": "assistant", "content": row["label"]}], [ref], f"{root / split}.jsonl:{line_no}"))
+        records.append(
+            ChatRecord(
+                [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "image": ref}, {"type": "text", "text": row["prompt"]}],
+                    },
+                    {"role": "assistant", "content": row["label"]},
+                ],
+                [ref],
+                f"{root / split}.jsonl:{line_no}",
+            )
+        )
     rng = random.Random(seed)
     by_class: dict[str, list[int]] = {}
     for i, row in enumerate(rows):
@@ -189,18 +217,44 @@ def manifest_records(root: Path, split: str, *, pairs: int = 0, phrased: int = 0
         target = rng.randrange(2)
         refs = [f"{images}#{rows[i]['index']}" for i in (a, b)]
         asked, other = (first, second) if target == 0 else (second, first)
-        records.append(ChatRecord([
-            {"role": "user", "content": [{"type": "image", "image": refs[0]}, {"type": "image", "image": refs[1]},
-                                         {"type": "text", "text": f"Which of these is a {asked}?"}]},
-            {"role": "assistant", "content": f"Image {target + 1}"},
-            {"role": "user", "content": "And the other one?"},
-            {"role": "assistant", "content": other}], refs, f"{root / split}.jsonl:pairs"))
+        records.append(
+            ChatRecord(
+                [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "image": refs[0]},
+                            {"type": "image", "image": refs[1]},
+                            {"type": "text", "text": f"Which of these is a {asked}?"},
+                        ],
+                    },
+                    {"role": "assistant", "content": f"Image {target + 1}"},
+                    {"role": "user", "content": "And the other one?"},
+                    {"role": "assistant", "content": other},
+                ],
+                refs,
+                f"{root / split}.jsonl:pairs",
+            )
+        )
     for _ in range(phrased):
         i = rng.randrange(len(rows))
         ref = f"{images}#{rows[i]['index']}"
-        records.append(ChatRecord([
-            {"role": "user", "content": [{"type": "image", "image": ref}, {"type": "text", "text": rng.choice(TRAIN_PHRASINGS)}]},
-            {"role": "assistant", "content": rows[i]["label"]}], [ref], f"{root / split}.jsonl:{i + 1}"))
+        records.append(
+            ChatRecord(
+                [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "image": ref},
+                            {"type": "text", "text": rng.choice(TRAIN_PHRASINGS)},
+                        ],
+                    },
+                    {"role": "assistant", "content": rows[i]["label"]},
+                ],
+                [ref],
+                f"{root / split}.jsonl:{i + 1}",
+            )
+        )
     return records
 
 
@@ -282,8 +336,6 @@ def to_pixels(image, size: int) -> torch.Tensor:
 def collate(rows: Sequence[Sequence[Sample]], pad_id: int, image_size: int) -> dict[str, torch.Tensor]:
     """A batch of rows, each one or more packed samples: ids, labels, segments (0 = padding), restarted
     position ids and every image in order."""
-    from vlm_assets.models.visualchat import positions_from_segments
-
     width = max(sum(len(s.ids) for s in row) for row in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
@@ -297,5 +349,10 @@ def collate(rows: Sequence[Sequence[Sample]], pad_id: int, image_size: int) -> d
             images.extend(sample.images)
             at += len(sample.ids)
     pixels = torch.stack([load_image(ref, image_size) for ref in images]) if images else None
-    return {"input_ids": ids, "labels": labels, "segments": segments, "position_ids": positions_from_segments(segments),
-            "pixels": pixels}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "segments": segments,
+        "position_ids": positions_from_segments(segments),
+        "pixels": pixels,
+    }

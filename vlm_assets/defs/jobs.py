@@ -22,14 +22,21 @@ def jobs() -> dg.Definitions:
     # Dagster's default executor: multiprocess unless the run config says
     # `execution: {config: {in_process: {}}}`.
     trainer_jobs = [
-        dg.define_asset_job(f"{name}_job", selection=dg.AssetSelection.assets(asset, data),
-                            description=f"Materializes {asset} and the data it trains on.")
-        for name, asset, data in (("gpt", "gpt_checkpoint", "token_shards"),
-                                  ("adapter", "occlusion_adapter", "occlusion_manifests"),
-                                  ("visualchat", "visualchat_model", "occlusion_manifests"))
+        dg.define_asset_job(
+            f"{name}_job",
+            selection=dg.AssetSelection.assets(asset, data),
+            description=f"Materializes {asset} and the data it trains on.",
+        )
+        for name, asset, data in (
+            ("gpt", "gpt_checkpoint", "token_shards"),
+            ("adapter", "occlusion_adapter", "occlusion_manifests"),
+            ("visualchat", "visualchat_model", "occlusion_manifests"),
+        )
     ]
     main_schedule = dg.ScheduleDefinition(
-        name="main_schedule", job=main_job, cron_schedule=schedule_cron(),
+        name="main_schedule",
+        job=main_job,
+        cron_schedule=schedule_cron(),
         default_status=dg.DefaultScheduleStatus.STOPPED,
     )
     return dg.Definitions(jobs=[main_job, *trainer_jobs], schedules=[main_schedule])

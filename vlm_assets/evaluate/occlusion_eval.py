@@ -27,7 +27,7 @@ def exact_match(prediction: str, label: str) -> bool:
 def lenient_match(prediction: str, label: str) -> bool:
     predicted, wanted = normalize_answer(prediction).split(), normalize_answer(label).split()
     n = len(wanted)
-    return any(predicted[i:i + n] == wanted for i in range(len(predicted) - n + 1)) if n else False
+    return any(predicted[i : i + n] == wanted for i in range(len(predicted) - n + 1)) if n else False
 
 
 @dataclasses.dataclass
@@ -59,7 +59,10 @@ class EvalResult:
 
     def per_class(self, condition: str) -> list[float]:
         matrix = self.confusion(condition)
-        return [float(matrix[c, c] / matrix[c].sum()) if matrix[c].sum() else float("nan") for c in range(len(self.class_names))]
+        return [
+            float(matrix[c, c] / matrix[c].sum()) if matrix[c].sum() else float("nan")
+            for c in range(len(self.class_names))
+        ]
 
     def summary(self) -> dict[str, float]:
         """Accuracies with their 95 % Wilson intervals, and the adapter's paired gain over the identity on
@@ -75,8 +78,13 @@ class EvalResult:
         out["adapter_gain"] = out["accuracy_adapter"] - out["accuracy_identity"]
         if self.labels:
             gain = paired_gain(self.hits("adapter"), self.hits("identity"))
-            out.update(adapter_gain_ci95_low=gain.ci95[0], adapter_gain_ci95_high=gain.ci95[1],
-                       adapter_gain_p_value=gain.p_value, adapter_wins=gain.wins, adapter_losses=gain.losses)
+            out.update(
+                adapter_gain_ci95_low=gain.ci95[0],
+                adapter_gain_ci95_high=gain.ci95[1],
+                adapter_gain_p_value=gain.p_value,
+                adapter_wins=gain.wins,
+                adapter_losses=gain.losses,
+            )
         gap = out["accuracy_clean"] - out["accuracy_identity"]
         if gap > 0:  # the share of what the occlusion costs that the adapter gives back
             out["gap_recovered"] = out["adapter_gain"] / gap
@@ -84,22 +92,34 @@ class EvalResult:
 
 
 @torch.no_grad()
-def evaluate(backbone: FrozenVLM, adapter: OcclusionAdapter, dataset, class_names: list[str], *,
-             count: int | None = None, batch_size: int = 16, max_new_tokens: int = 8,
-             log: Callable[[str], None] | None = None) -> EvalResult:
+def evaluate(
+    backbone: FrozenVLM,
+    adapter: OcclusionAdapter,
+    dataset,
+    class_names: list[str],
+    *,
+    count: int | None = None,
+    batch_size: int = 16,
+    max_new_tokens: int = 8,
+    log: Callable[[str], None] | None = None,
+) -> EvalResult:
     """``dataset`` yields dicts with occluded, clean, mask, label_index, prompt (``OcclusionSamples``)."""
     total = len(dataset) if count is None else min(count, len(dataset))
     adapter.eval()
     labels, predictions = [], {c: [] for c in CONDITIONS}
     starts = range(0, total, batch_size)
-    for start in report_progress(starts, "eval", log, total=total, unit="images",
-                                 size=lambda s: min(batch_size, total - s)):
+    for start in report_progress(
+        starts, "eval", log, total=total, unit="images", size=lambda s: min(batch_size, total - s)
+    ):
         items = [dataset[i] for i in range(start, min(start + batch_size, total))]
         occluded = torch.stack([it["occluded"] for it in items])
         mask = torch.stack([it["mask"] for it in items])
         prompts = [it["prompt"] for it in items]
-        inputs = {"adapter": adapter(occluded, mask), "identity": occluded,
-                  "clean": torch.stack([it["clean"] for it in items])}
+        inputs = {
+            "adapter": adapter(occluded, mask),
+            "identity": occluded,
+            "clean": torch.stack([it["clean"] for it in items]),
+        }
         for condition, pixels in inputs.items():
             predictions[condition].extend(backbone.generate(pixels, prompts, max_new_tokens=max_new_tokens))
         labels.extend(int(it["label_index"]) for it in items)

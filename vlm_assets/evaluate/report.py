@@ -29,8 +29,13 @@ def data_uri(png: bytes) -> str:
 def loss_curves_png(epochs: list[dict]) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     x = [e["epoch"] + 1 for e in epochs]
-    for key, style in (("train/loss", "-o"), ("val/loss", "-s"), ("train/lm_loss", ":"), ("val/lm_loss", ":"),
-                       ("val/reconstruction_loss", "--")):
+    for key, style in (
+        ("train/loss", "-o"),
+        ("val/loss", "-s"),
+        ("train/lm_loss", ":"),
+        ("val/lm_loss", ":"),
+        ("val/reconstruction_loss", "--"),
+    ):
         if any(key in e for e in epochs):  # train/lm_loss is absent from reconstruction warm-up epochs
             ax.plot(x, [e.get(key, float("nan")) for e in epochs], style, label=key)
     ax.set(xlabel="epoch", ylabel="loss", title="adapter training")
@@ -48,8 +53,12 @@ def accuracy_png(summary: dict[str, float]) -> bytes:
     pos = np.arange(3)
     errors = None
     if all(f"accuracy_{k}_ci95_low" in summary for k in keys):  # the Wilson intervals as error bars
-        errors = np.array([[s - summary[f"accuracy_{k}_ci95_low"], summary[f"accuracy_{k}_ci95_high"] - s]
-                           for k, s in zip(keys, strict)]).T
+        errors = np.array(
+            [
+                [s - summary[f"accuracy_{k}_ci95_low"], summary[f"accuracy_{k}_ci95_high"] - s]
+                for k, s in zip(keys, strict)
+            ]
+        ).T
     ax.bar(pos - 0.2, strict, 0.4, yerr=errors, capsize=4, label="exact match (95% CI)")
     ax.bar(pos + 0.2, lenient, 0.4, label="lenient match")
     ax.set_xticks(pos, names)
@@ -89,9 +98,11 @@ def gain_sentence(summary: dict[str, float]) -> str:
     """The adapter's paired gain with its uncertainty, in one line of plain text."""
     text = f"Adapter gain (exact match): {summary['adapter_gain']:+.1%}"
     if "adapter_gain_ci95_low" in summary:
-        text += (f", 95% CI [{summary['adapter_gain_ci95_low']:+.1%}, {summary['adapter_gain_ci95_high']:+.1%}] "
-                 f"(paired bootstrap), McNemar p = {summary['adapter_gain_p_value']:.2g} "
-                 f"({summary['adapter_wins']:.0f} images won, {summary['adapter_losses']:.0f} lost)")
+        text += (
+            f", 95% CI [{summary['adapter_gain_ci95_low']:+.1%}, {summary['adapter_gain_ci95_high']:+.1%}] "
+            f"(paired bootstrap), McNemar p = {summary['adapter_gain_p_value']:.2g} "
+            f"({summary['adapter_wins']:.0f} images won, {summary['adapter_losses']:.0f} lost)"
+        )
     if "gap_recovered" in summary:
         text += f"; {summary['gap_recovered']:.0%} of the clean-minus-occluded gap recovered"
     return text + f"; {summary['num_samples']:.0f} images."
@@ -100,8 +111,10 @@ def gain_sentence(summary: dict[str, float]) -> str:
 def markdown_table(summary: dict[str, float]) -> str:
     rows = ["| condition | exact match | 95% CI (Wilson) | lenient match |", "|---|---:|---:|---:|"]
     for c in CONDITIONS:
-        rows.append(f"| {c} | {summary[f'accuracy_{c}']:.1%} | {interval(summary, f'accuracy_{c}')} "
-                    f"| {summary[f'lenient_accuracy_{c}']:.1%} |")
+        rows.append(
+            f"| {c} | {summary[f'accuracy_{c}']:.1%} | {interval(summary, f'accuracy_{c}')} "
+            f"| {summary[f'lenient_accuracy_{c}']:.1%} |"
+        )
     rows.append(f"\n{gain_sentence(summary)}")
     return "\n".join(rows)
 
@@ -112,32 +125,44 @@ def html_report(result: EvalResult, epochs: list[dict], cards: list[dict], title
     esc = html.escape
     epoch_keys = sorted({k for e in epochs for k in e if "/" in k})
     epoch_rows = "".join(
-        "<tr>" + f"<td>{e['epoch'] + 1}</td>" + "".join(f"<td>{e.get(k, float('nan')):.4f}</td>" for k in epoch_keys) + "</tr>"
-        for e in epochs)
+        "<tr>"
+        + f"<td>{e['epoch'] + 1}</td>"
+        + "".join(f"<td>{e.get(k, float('nan')):.4f}</td>" for k in epoch_keys)
+        + "</tr>"
+        for e in epochs
+    )
     summary_rows = "".join(
         f"<tr><td>{c}</td><td>{summary[f'accuracy_{c}']:.1%}</td><td>{interval(summary, f'accuracy_{c}')}</td>"
-        f"<td>{summary[f'lenient_accuracy_{c}']:.1%}</td></tr>" for c in CONDITIONS)
+        f"<td>{summary[f'lenient_accuracy_{c}']:.1%}</td></tr>"
+        for c in CONDITIONS
+    )
     per_class = "".join(
         f"<tr><td>{esc(name)}</td>" + "".join(f"<td>{result.per_class(c)[i]:.0%}</td>" for c in CONDITIONS) + "</tr>"
-        for i, name in enumerate(result.class_names))
+        for i, name in enumerate(result.class_names)
+    )
     card_html = "".join(
         f"<div class='card'><img src='{_image(c['occluded'])}' title='occluded'><img src='{_image(c['restored'])}' "
         f"title='adapter output'><img src='{_image(c['clean'])}' title='clean'><p>label <b>{esc(c['label'])}</b><br>"
-        + "".join(f"<span class='{'ok' if exact_match(p, c['label']) else 'bad'}'>{k}: {esc(p) or '(empty)'}</span><br>"
-                  for k, p in c["predictions"].items())
-        + "</p></div>" for c in cards)
+        + "".join(
+            f"<span class='{'ok' if exact_match(p, c['label']) else 'bad'}'>{k}: {esc(p) or '(empty)'}</span><br>"
+            for k, p in c["predictions"].items()
+        )
+        + "</p></div>"
+        for c in cards
+    )
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{esc(title)}</title><style>
 body{{font-family:sans-serif;margin:2em;max-width:1100px}} table{{border-collapse:collapse;margin:1em 0}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} .card{{display:inline-block;margin:6px;padding:6px;
 border:1px solid #ddd;width:310px;vertical-align:top}} .card img{{margin:2px}} .ok{{color:#070}} .bad{{color:#b00}}
 </style></head><body><h1>{esc(title)}</h1>
-<h2>Evaluation summary</h2><table><tr><th>condition</th><th>exact match</th><th>95% CI (Wilson)</th><th>lenient match</th>
-</tr>{summary_rows}</table>
+<h2>Evaluation summary</h2><table><tr><th>condition</th><th>exact match</th><th>95% CI (Wilson)</th>
+<th>lenient match</th></tr>{summary_rows}</table>
 <p><b>{esc(gain_sentence(summary))}</b></p>
 <img src="{data_uri(accuracy_png(summary))}">
 <h2>Training</h2><img src="{data_uri(loss_curves_png(epochs))}">
-<table><tr><th>epoch</th>{''.join(f'<th>{esc(k)}</th>' for k in epoch_keys)}</tr>{epoch_rows}</table>
-<h2>Per class (exact match)</h2><table><tr><th>class</th>{''.join(f'<th>{c}</th>' for c in CONDITIONS)}</tr>{per_class}</table>
+<table><tr><th>epoch</th>{"".join(f"<th>{esc(k)}</th>" for k in epoch_keys)}</tr>{epoch_rows}</table>
+<h2>Per class (exact match)</h2>
+<table><tr><th>class</th>{"".join(f"<th>{c}</th>" for c in CONDITIONS)}</tr>{per_class}</table>
 <img src="{data_uri(confusion_png(result))}">
 <h2>Prediction cards</h2><p>occluded input, adapter output, clean image; predictions per condition.</p>{card_html}
 </body></html>"""

@@ -17,8 +17,11 @@ MIN_PAIRS = 100  # below this many paired items an interval says too little to g
 
 def small_sample_note(n: int) -> str:
     """What a check says beside a verdict on fewer than ``MIN_PAIRS`` items (empty otherwise)."""
-    return (f"; only {n} images: under {MIN_PAIRS} the interval is too wide to mean much, evaluate more"
-            if n < MIN_PAIRS else "")
+    return (
+        f"; only {n} images: under {MIN_PAIRS} the interval is too wide to mean much, evaluate more"
+        if n < MIN_PAIRS
+        else ""
+    )
 
 
 def wilson_interval(hits: int, total: int, z: float = Z95) -> tuple[float, float]:
@@ -40,7 +43,7 @@ def mcnemar_exact_p(wins: int, losses: int) -> float:
     if n == 0:
         return 1.0
     k = min(wins, losses)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
     return min(1.0, 2 * tail)
 
 
@@ -50,9 +53,9 @@ class PairedGain:
 
     gain: float
     ci95: tuple[float, float]  # paired-bootstrap percentile interval
-    p_value: float             # exact McNemar, two-sided
-    wins: int                  # A right, B wrong
-    losses: int                # A wrong, B right
+    p_value: float  # exact McNemar, two-sided
+    wins: int  # A right, B wrong
+    losses: int  # A wrong, B right
     num_pairs: int
 
 
@@ -69,8 +72,14 @@ def paired_gain(a: Sequence[bool], b: Sequence[bool], *, resamples: int = 10_000
     means = np.empty(resamples)
     for start in range(0, resamples, 1000):  # chunks keep memory flat for large evaluations
         count = min(1000, resamples - start)
-        means[start:start + count] = diff[rng.integers(0, a.size, size=(count, a.size))].mean(axis=1)
+        means[start : start + count] = diff[rng.integers(0, a.size, size=(count, a.size))].mean(axis=1)
     low, high = np.quantile(means, [0.025, 0.975])
     wins, losses = int((diff > 0).sum()), int((diff < 0).sum())
-    return PairedGain(gain=float(diff.mean()), ci95=(float(low), float(high)), p_value=mcnemar_exact_p(wins, losses),
-                      wins=wins, losses=losses, num_pairs=int(a.size))
+    return PairedGain(
+        gain=float(diff.mean()),
+        ci95=(float(low), float(high)),
+        p_value=mcnemar_exact_p(wins, losses),
+        wins=wins,
+        losses=losses,
+        num_pairs=int(a.size),
+    )

@@ -20,12 +20,22 @@ def answer(model: VisualChatModel, messages: list[dict], images: list[str], max_
 
 # Questions never asked in training (the manifest's prompt and ``visualchat_data.TRAIN_PHRASINGS`` are):
 # how a person might ask. The eval reports their exact match beside the template's.
-HELD_OUT_PHRASINGS = ("What is this?", "Name the item.", "Can you tell what this picture shows?",
-                      "Which piece of clothing or accessory do you see?", "What do you see?")
+HELD_OUT_PHRASINGS = (
+    "What is this?",
+    "Name the item.",
+    "Can you tell what this picture shows?",
+    "Which piece of clothing or accessory do you see?",
+    "What do you see?",
+)
 
 
-def vqa_exact_match(model: VisualChatModel, manifests: Path, split: str, count: int | None = None,
-                    questions: tuple[str, ...] | None = None) -> dict:
+def vqa_exact_match(
+    model: VisualChatModel,
+    manifests: Path,
+    split: str,
+    count: int | None = None,
+    questions: tuple[str, ...] | None = None,
+) -> dict:
     """Exact match (normalised as the adapter's eval does) of the answers on the first ``count`` images of
     ``split``, with the 95 % Wilson interval and the predictions. Each image is asked the manifest's prompt,
     or with ``questions`` image ``i`` is asked ``questions[i % len(questions)]`` (each asked about as often)."""
@@ -37,14 +47,24 @@ def vqa_exact_match(model: VisualChatModel, manifests: Path, split: str, count: 
             question = questions[i % len(questions)]
             messages = [{"role": "user", "content": [messages[0]["content"][0], {"type": "text", "text": question}]}]
         predicted = answer(model, messages, record.images)
-        predictions.append({"label": record.messages[1]["content"], "predicted": predicted,
-                            "question": vd.text_of(messages[0]["content"])})
+        predictions.append(
+            {
+                "label": record.messages[1]["content"],
+                "predicted": predicted,
+                "question": vd.text_of(messages[0]["content"]),
+            }
+        )
     hits = sum(normalize_answer(p["predicted"]) == normalize_answer(p["label"]) for p in predictions)
     if not predictions:
         raise ValueError(f"no single-image records in {manifests}/{split}.jsonl to evaluate")
     classes = len(json.loads((manifests / "dataset.json").read_text())["class_names"])
-    return {"exact_match": hits / len(predictions), "ci95": list(wilson_interval(hits, len(predictions))),
-            "chance": 1 / classes, "num_images": len(predictions), "predictions": predictions}
+    return {
+        "exact_match": hits / len(predictions),
+        "ci95": list(wilson_interval(hits, len(predictions))),
+        "chance": 1 / classes,
+        "num_images": len(predictions),
+        "predictions": predictions,
+    }
 
 
 def vqa_report(model: VisualChatModel, manifests: Path, split: str, count: int | None = None) -> dict:
@@ -61,8 +81,16 @@ def two_image_conversation(model: VisualChatModel, manifests: Path, split: str =
     first = rows[0]
     second = next(r for r in rows if r["label"] != first["label"])
     images = [f"{manifests / 'images' / f'{split}.npy'}#{r['index']}" for r in (first, second)]
-    messages = [{"role": "user", "content": [{"type": "image", "image": images[0]}, {"type": "image", "image": images[1]},
-                                             {"type": "text", "text": f"Which of these is a {second['label']}?"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": images[0]},
+                {"type": "image", "image": images[1]},
+                {"type": "text", "text": f"Which of these is a {second['label']}?"},
+            ],
+        }
+    ]
     for follow_up in ("And the other one?", None):
         messages.append({"role": "assistant", "content": answer(model, messages, images)})
         if follow_up:

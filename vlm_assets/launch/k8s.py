@@ -67,56 +67,103 @@ class PodSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     namespace: str = Field(default="vlm-training", description="The training namespace (the Role's).")
-    kubeconfig: str | None = Field(default=None, description=(
-        "Path of a kubeconfig; unset: in-cluster auth when running in a pod, else ~/.kube/config."))
+    kubeconfig: str | None = Field(
+        default=None,
+        description=("Path of a kubeconfig; unset: in-cluster auth when running in a pod, else ~/.kube/config."),
+    )
     kube_context: str | None = Field(default=None, description="Context of the kubeconfig; unset: its current one.")
-    mode: Literal["pods", "indexed_job"] = Field(default="pods", description=(
-        "'pods': a headless Service and one pod per node (any cluster version); 'indexed_job': one "
-        "Indexed Job (completionMode: Indexed, clusters >= 1.24)."))
+    mode: Literal["pods", "indexed_job"] = Field(
+        default="pods",
+        description=(
+            "'pods': a headless Service and one pod per node (any cluster version); 'indexed_job': one "
+            "Indexed Job (completionMode: Indexed, clusters >= 1.24)."
+        ),
+    )
     image: str = Field(default="vlm-assets:cpu", description="The trainer image (deploy/Dockerfile).")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     image_pull_secrets: list[str] = Field(default_factory=list, description="Secret names for a private registry.")
-    service_account: str | None = Field(default=None, description=(
-        "Service account of the training pods (their token is not mounted: trainers need no API access)."))
+    service_account: str | None = Field(
+        default=None,
+        description=("Service account of the training pods (their token is not mounted: trainers need no API access)."),
+    )
     python: str = Field(default="python", description="The Python interpreter in the image.")
-    env: dict[str, str] = Field(default_factory=lambda: {"OMP_NUM_THREADS": "1"}, description=(
-        "Literal, non-secret environment of every training process."))
+    env: dict[str, str] = Field(
+        default_factory=lambda: {"OMP_NUM_THREADS": "1"},
+        description=("Literal, non-secret environment of every training process."),
+    )
     forward_env: list[str] = Field(
-        default_factory=lambda: ["VLM_ASSETS_HOME", "VLM_ASSETS_CACHE", "VLM_ASSETS_STORE", "VLM_ASSETS_S3_BUCKET",
-                                 "VLM_ASSETS_S3_PREFIX", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "S3_ENDPOINT_URL",
-                                 "MLFLOW_TRACKING_URI", "MLFLOW_DISABLE_TELEMETRY", "HF_HUB_OFFLINE"],
-        description="Non-secret variables copied from the launching process' environment when set.")
-    env_from_secrets: list[str] = Field(default_factory=list, description=(
-        "Secrets whose keys become environment variables (envFrom): S3 and MLflow credentials go here, "
-        "never into the pod spec."))
-    gpu_node_label: str = Field(default="nvidia.com/gpu.product", description=(
-        "Node label that a spec's gpu_type selects (GPU feature discovery's label)."))
+        default_factory=lambda: [
+            "VLM_ASSETS_HOME",
+            "VLM_ASSETS_CACHE",
+            "VLM_ASSETS_STORE",
+            "VLM_ASSETS_S3_BUCKET",
+            "VLM_ASSETS_S3_PREFIX",
+            "AWS_ENDPOINT_URL",
+            "AWS_DEFAULT_REGION",
+            "S3_ENDPOINT_URL",
+            "MLFLOW_TRACKING_URI",
+            "MLFLOW_DISABLE_TELEMETRY",
+            "HF_HUB_OFFLINE",
+        ],
+        description="Non-secret variables copied from the launching process' environment when set.",
+    )
+    env_from_secrets: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Secrets whose keys become environment variables (envFrom): S3 and MLflow credentials go here, "
+            "never into the pod spec."
+        ),
+    )
+    gpu_node_label: str = Field(
+        default="nvidia.com/gpu.product",
+        description=("Node label that a spec's gpu_type selects (GPU feature discovery's label)."),
+    )
     gpu_tolerations: list[dict[str, str]] = Field(
         default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        description="Tolerations added to pods that request GPUs.")
+        description="Tolerations added to pods that request GPUs.",
+    )
     shm_size: str = Field(default="8Gi", description="Size limit of /dev/shm (a memory-backed emptyDir).")
-    shared_volume_claim: str | None = Field(default=None, description=(
-        "A ReadWriteMany PersistentVolumeClaim mounted at shared_mount_path in every training pod: it must "
-        "also hold $VLM_ASSETS_HOME of the Dagster run pod (run files and the staging directory)."))
+    shared_volume_claim: str | None = Field(
+        default=None,
+        description=(
+            "A ReadWriteMany PersistentVolumeClaim mounted at shared_mount_path in every training pod: it must "
+            "also hold $VLM_ASSETS_HOME of the Dagster run pod (run files and the staging directory)."
+        ),
+    )
     shared_mount_path: str = "/var/lib/vlm_assets"
     run_as_user: int = Field(default=1000, ge=1, description="Non-root user of the training containers.")
     rendezvous_port: int = Field(default=29400, ge=1, le=65535)
-    rendezvous_host: str | None = Field(default=None, description=(
-        "Tests only: the rendezvous address in place of pod 0's DNS name (which does not resolve on the "
-        "loopback testbed)."))
+    rendezvous_host: str | None = Field(
+        default=None,
+        description=(
+            "Tests only: the rendezvous address in place of pod 0's DNS name (which does not resolve on the "
+            "loopback testbed)."
+        ),
+    )
     cluster_domain: str = "cluster.local"
-    log_read_timeout_s: int = Field(default=300, ge=1, description=(
-        "A pod log connection silent this long is reopened from the last line seen (no loss, no repeats)."))
-    pending_timeout_s: int = Field(default=600, ge=1, description=(
-        "A pod still Pending (unschedulable, image not pulled) after this fails the launch with the reason."))
+    log_read_timeout_s: int = Field(
+        default=300,
+        ge=1,
+        description=(
+            "A pod log connection silent this long is reopened from the last line seen (no loss, no repeats)."
+        ),
+    )
+    pending_timeout_s: int = Field(
+        default=600,
+        ge=1,
+        description=(
+            "A pod still Pending (unschedulable, image not pulled) after this fails the launch with the reason."
+        ),
+    )
 
     @field_validator("env", "forward_env")
     @classmethod
     def _no_credentials(cls, value):
         names = value if isinstance(value, list) else list(value)
         if bad := [n for n in names if _SECRET_NAME.search(n)]:
-            raise ValueError(f"{bad} look like credentials: put them in a Secret named in env_from_secrets, "
-                             "never in the pod spec")
+            raise ValueError(
+                f"{bad} look like credentials: put them in a Secret named in env_from_secrets, never in the pod spec"
+            )
         return value
 
     @field_validator("shm_size")
@@ -141,13 +188,23 @@ def label_value(text: str) -> str:
 class Launch:
     """The objects of one launch: names, labels and manifests (``render``), nothing sent yet."""
 
-    def __init__(self, spec: LaunchSpec, settings: PodSettings, labels: dict[str, str] | None = None,
-                 env: dict[str, str] | None = None, launch_id: str | None = None):
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        settings: PodSettings,
+        labels: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+        launch_id: str | None = None,
+    ):
         self.spec, self.settings = spec, settings
         self.id = launch_id or uuid.uuid4().hex[:8]
         self.name = f"{dns_label(spec.name, 40)}-{self.id}"
-        self.labels = {"app.kubernetes.io/name": "vlm-assets", "app.kubernetes.io/managed-by": MANAGED_BY,
-                       LAUNCH_LABEL: self.name, **{k: label_value(v) for k, v in (labels or {}).items()}}
+        self.labels = {
+            "app.kubernetes.io/name": "vlm-assets",
+            "app.kubernetes.io/managed-by": MANAGED_BY,
+            LAUNCH_LABEL: self.name,
+            **{k: label_value(v) for k, v in (labels or {}).items()},
+        }
         self.env = dict(env or {})
         self.width = len(str(spec.num_nodes - 1))
 
@@ -164,20 +221,32 @@ class Launch:
         spec, s = self.spec, self.settings
         host = "" if is_host is None else f",is_host={'true' if is_host else 'false'}"
         return [
-            s.python, "-m", "torch.distributed.run",
-            f"--nnodes={spec.num_nodes}", f"--nproc-per-node={spec.nproc_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rendezvous_host()}:{s.rendezvous_port}",
-            f"--rdzv-id={self.name}", f"--rdzv-conf=join_timeout={spec.rendezvous_timeout_s}{host}",
+            s.python,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={spec.num_nodes}",
+            f"--nproc-per-node={spec.nproc_per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.rendezvous_host()}:{s.rendezvous_port}",
+            f"--rdzv-id={self.name}",
+            f"--rdzv-conf=join_timeout={spec.rendezvous_timeout_s}{host}",
             "--max-restarts=0",  # a failed job is retried by the orchestrator, from the last checkpoint
-            *worker_entry(spec.module), *spec.args,
+            *worker_entry(spec.module),
+            *spec.args,
         ]
 
     def _container_env(self, index: int | None) -> list[dict[str, Any]]:
         values = {**self.settings.env, **self.env, **self.spec.env, "PYTHONUNBUFFERED": "1"}
         env = [{"name": k, "value": v} for k, v in values.items()]
         if index is None:  # an Indexed Job: the index from the pod's annotation
-            env.append({"name": INDEX_ENV, "valueFrom": {"fieldRef": {
-                "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}})
+            env.append(
+                {
+                    "name": INDEX_ENV,
+                    "valueFrom": {
+                        "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+                    },
+                }
+            )
         else:
             env.append({"name": INDEX_ENV, "value": str(index)})
         return env
@@ -197,7 +266,9 @@ class Launch:
             mounts.append({"name": "shared", "mountPath": s.shared_mount_path})
             volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": s.shared_volume_claim}})
         container: dict[str, Any] = {
-            "name": CONTAINER, "image": s.image, "imagePullPolicy": s.image_pull_policy,
+            "name": CONTAINER,
+            "image": s.image,
+            "imagePullPolicy": s.image_pull_policy,
             "command": self.command(None if index is None else index == 0),
             "env": self._container_env(index),
             "ports": [{"name": "rendezvous", "containerPort": s.rendezvous_port}],
@@ -214,8 +285,12 @@ class Launch:
             "automountServiceAccountToken": False,
             # The cluster ends the pods by itself should nobody be left to delete them.
             "activeDeadlineSeconds": spec.timeout_s + 300,
-            "securityContext": {"runAsNonRoot": True, "runAsUser": s.run_as_user, "runAsGroup": s.run_as_user,
-                                "fsGroup": s.run_as_user},
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": s.run_as_user,
+                "runAsGroup": s.run_as_user,
+                "fsGroup": s.run_as_user,
+            },
             "containers": [container],
             "volumes": volumes,
         }
@@ -233,29 +308,53 @@ class Launch:
 
     def service(self) -> dict[str, Any]:
         return {
-            "apiVersion": "v1", "kind": "Service",
+            "apiVersion": "v1",
+            "kind": "Service",
             "metadata": {"name": self.name, "namespace": self.settings.namespace, "labels": self.labels},
-            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {LAUNCH_LABEL: self.name},
-                     "ports": [{"name": "rendezvous", "port": self.settings.rendezvous_port,
-                                "targetPort": self.settings.rendezvous_port}]},
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": {LAUNCH_LABEL: self.name},
+                "ports": [
+                    {
+                        "name": "rendezvous",
+                        "port": self.settings.rendezvous_port,
+                        "targetPort": self.settings.rendezvous_port,
+                    }
+                ],
+            },
         }
 
     def pods(self) -> list[dict[str, Any]]:
-        return [{
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": self.pod_name(i), "namespace": self.settings.namespace,
-                         "labels": {**self.labels, "vlm-assets/node-index": str(i)}},
-            "spec": self.pod_spec(i),
-        } for i in range(self.spec.num_nodes)]
+        return [
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": self.pod_name(i),
+                    "namespace": self.settings.namespace,
+                    "labels": {**self.labels, "vlm-assets/node-index": str(i)},
+                },
+                "spec": self.pod_spec(i),
+            }
+            for i in range(self.spec.num_nodes)
+        ]
 
     def indexed_job(self) -> dict[str, Any]:
         n = self.spec.num_nodes
         return {
-            "apiVersion": "batch/v1", "kind": "Job",
+            "apiVersion": "batch/v1",
+            "kind": "Job",
             "metadata": {"name": self.name, "namespace": self.settings.namespace, "labels": self.labels},
-            "spec": {"completionMode": "Indexed", "completions": n, "parallelism": n, "backoffLimit": 0,
-                     "activeDeadlineSeconds": self.spec.timeout_s + 300, "ttlSecondsAfterFinished": 600,
-                     "template": {"metadata": {"labels": self.labels}, "spec": self.pod_spec(None)}},
+            "spec": {
+                "completionMode": "Indexed",
+                "completions": n,
+                "parallelism": n,
+                "backoffLimit": 0,
+                "activeDeadlineSeconds": self.spec.timeout_s + 300,
+                "ttlSecondsAfterFinished": 600,
+                "template": {"metadata": {"labels": self.labels}, "spec": self.pod_spec(None)},
+            },
         }
 
     def render(self) -> list[dict[str, Any]]:
@@ -289,15 +388,20 @@ def check_access(api, settings: PodSettings) -> None:
     missing = []
     for group, resource, verb in needed:
         plural, _, sub = resource.partition("/")
-        review = client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec(
-            resource_attributes=client.V1ResourceAttributes(
-                namespace=settings.namespace, group=group, resource=plural, subresource=sub or None, verb=verb)))
+        review = client.V1SelfSubjectAccessReview(
+            spec=client.V1SelfSubjectAccessReviewSpec(
+                resource_attributes=client.V1ResourceAttributes(
+                    namespace=settings.namespace, group=group, resource=plural, subresource=sub or None, verb=verb
+                )
+            )
+        )
         if not auth.create_self_subject_access_review(review).status.allowed:
             missing.append(f"{verb} {resource}")
     if missing:
         raise PermissionError(
             f"the Kubernetes identity of the launcher may not {', '.join(missing)} in namespace "
-            f"{settings.namespace!r}: bind it to the launcher Role (deploy/k8s/rbac.yaml)")
+            f"{settings.namespace!r}: bind it to the launcher Role (deploy/k8s/rbac.yaml)"
+        )
 
 
 class _Pods:
@@ -312,14 +416,21 @@ class _Pods:
         for pod in items:
             labels = pod.metadata.labels or {}
             index = labels.get("vlm-assets/node-index") or (pod.metadata.annotations or {}).get(
-                "batch.kubernetes.io/job-completion-index")
+                "batch.kubernetes.io/job-completion-index"
+            )
             if index is not None:
                 self.by_index[int(index)] = pod
 
 
-def run_k8s(spec: LaunchSpec, settings: PodSettings, on_line: Callable[[int, str], None],
-            env: dict[str, str] | None = None, labels: dict[str, str] | None = None, api=None,
-            poll_s: float = 1.0) -> None:
+def run_k8s(
+    spec: LaunchSpec,
+    settings: PodSettings,
+    on_line: Callable[[int, str], None],
+    env: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None,
+    api=None,
+    poll_s: float = 1.0,
+) -> None:
     """Run ``spec`` as pods; return when every node succeeded; raise ``LaunchFailed`` otherwise.
     ``on_line(node, line)`` gets every pod's log lines as they come. Deletes what it created."""
     from kubernetes import client
@@ -340,8 +451,11 @@ def run_k8s(spec: LaunchSpec, settings: PodSettings, on_line: Callable[[int, str
                 core.create_namespaced_pod(settings.namespace, manifest)
             else:
                 batch.create_namespaced_job(settings.namespace, manifest)
-        on_line(0, f"[launcher] {spec.name}: {spec.num_nodes} pod(s) x {spec.nproc_per_node} process(es) in "
-                   f"namespace {settings.namespace}, rendezvous {launch.rendezvous_host()}:{settings.rendezvous_port}")
+        on_line(
+            0,
+            f"[launcher] {spec.name}: {spec.num_nodes} pod(s) x {spec.nproc_per_node} process(es) in "
+            f"namespace {settings.namespace}, rendezvous {launch.rendezvous_host()}:{settings.rendezvous_port}",
+        )
         _supervise(launch, core, lines, tails, on_line, stop, poll_s)
     finally:
         stop.set()
@@ -373,8 +487,10 @@ def _supervise(launch: Launch, core, lines, tails, on_line, stop, poll_s) -> Non
             seen.add(index)
             if index not in streaming and pod.status.phase in ("Running", "Succeeded", "Failed"):
                 streaming[index] = threading.Thread(
-                    target=_stream_log, args=(core, settings.namespace, pod.metadata.name, index, lines, stop,
-                                              settings.log_read_timeout_s), daemon=True)
+                    target=_stream_log,
+                    args=(core, settings.namespace, pod.metadata.name, index, lines, stop, settings.log_read_timeout_s),
+                    daemon=True,
+                )
                 streaming[index].start()
         drain(poll_s)
         failure = _failure(launch, pods, seen, started)
@@ -393,8 +509,9 @@ def _supervise(launch: Launch, core, lines, tails, on_line, stop, poll_s) -> Non
             return
         if time.monotonic() > deadline:
             drain(0.5)
-            raise LaunchFailed(0, None, None, list(tails[0]), f"{spec.name} ran past its {spec.timeout_s} s timeout",
-                               retryable=False)
+            raise LaunchFailed(
+                0, None, None, list(tails[0]), f"{spec.name} ran past its {spec.timeout_s} s timeout", retryable=False
+            )
 
 
 def _failure(launch: Launch, pods: _Pods, seen: set[int], started: float) -> tuple[int, str, int | None, bool] | None:
@@ -419,7 +536,12 @@ def _failure(launch: Launch, pods: _Pods, seen: set[int], started: float) -> tup
             why = f" ({terminated.reason})" if terminated is not None and terminated.reason else ""
             return index, f"pod {name} failed: container exit code {code}{why}", code, True
         if status.phase == "Pending" and time.monotonic() - started > settings.pending_timeout_s:
-            return index, f"pod {name} still Pending after {settings.pending_timeout_s} s: {_pending_reason(pod)}", None, False
+            return (
+                index,
+                f"pod {name} still Pending after {settings.pending_timeout_s} s: {_pending_reason(pod)}",
+                None,
+                False,
+            )
     return None
 
 
@@ -442,8 +564,9 @@ def _pending_reason(pod) -> str:
     return "not scheduled yet (no reason given by the scheduler)"
 
 
-def _stream_log(core, namespace: str, pod: str, node: int, lines: queue.Queue, stop: threading.Event,
-                read_timeout_s: float) -> None:
+def _stream_log(
+    core, namespace: str, pod: str, node: int, lines: queue.Queue, stop: threading.Event, read_timeout_s: float
+) -> None:
     """Follow one pod's log until its container ends, reconnecting after a dropped connection from
     the last timestamp seen (lines at or before it are skipped: no loss, no duplicates)."""
     from kubernetes.client.exceptions import ApiException
@@ -453,11 +576,19 @@ def _stream_log(core, namespace: str, pod: str, node: int, lines: queue.Queue, s
         while not stop.is_set():
             kwargs: dict[str, Any] = {}
             if last is not None:
-                kwargs["since_seconds"] = max(1, int((dt.datetime.now(dt.timezone.utc) - last).total_seconds()) + 2)
+                kwargs["since_seconds"] = max(1, int((dt.datetime.now(dt.UTC) - last).total_seconds()) + 2)
             try:
                 # _preload_content=False: kubernetes<37 decodes the log as a str of the bytes' repr.
-                resp = core.read_namespaced_pod_log(pod, namespace, container=CONTAINER, follow=True, timestamps=True,
-                                                    _preload_content=False, _request_timeout=(10, read_timeout_s), **kwargs)
+                resp = core.read_namespaced_pod_log(
+                    pod,
+                    namespace,
+                    container=CONTAINER,
+                    follow=True,
+                    timestamps=True,
+                    _preload_content=False,
+                    _request_timeout=(10, read_timeout_s),
+                    **kwargs,
+                )
                 buffer = b""
                 for chunk in resp.stream(4096):
                     buffer += chunk
@@ -550,11 +681,14 @@ def delete_orphans(core, batch, namespace: str, run_is_live: Callable[[str], boo
     runs = set()
     for pod in core.list_namespaced_pod(namespace, label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}").items:
         runs.add((pod.metadata.labels or {}).get("dagster/run-id"))
-    for svc in core.list_namespaced_service(namespace, label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}").items:
+    for svc in core.list_namespaced_service(
+        namespace, label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}"
+    ).items:
         runs.add((svc.metadata.labels or {}).get("dagster/run-id"))
     deleted: list[str] = []
     for run_id in sorted(r for r in runs if r):
         if not run_is_live(run_id):
-            deleted += delete_selected(core, batch, namespace,
-                                       f"app.kubernetes.io/managed-by={MANAGED_BY},dagster/run-id={run_id}")
+            deleted += delete_selected(
+                core, batch, namespace, f"app.kubernetes.io/managed-by={MANAGED_BY},dagster/run-id={run_id}"
+            )
     return deleted

@@ -3,7 +3,8 @@
 The launcher starts each torchrun agent through this module, and each agent starts each worker
 through it too::
 
-    python -m vlm_assets.launch.lifeline --exec  -m torch.distributed.run ... -m vlm_assets.launch.lifeline --module <entry point> ...
+    python -m vlm_assets.launch.lifeline --exec  -m torch.distributed.run ... \\
+        -m vlm_assets.launch.lifeline --module <entry point> ...
 
 so the chain is: the Dagster step process -> agent -> worker, each link holding a parent-death
 signal (SIGKILL). However the step's process ends (SIGKILL from an OOM killer, a lost session, a

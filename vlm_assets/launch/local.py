@@ -9,6 +9,7 @@ If the calling process itself dies, the kernel ends the agents and workers (``li
 """
 
 import collections
+import contextlib
 import dataclasses
 import os
 import queue
@@ -16,7 +17,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -48,7 +48,8 @@ class LaunchFailed(RuntimeError):
         # the agent's traceback and failure summary printed after them (the exit code is in line one).
         workers = [line for line in self.tail if line.startswith("[rank")]
         last = "\n".join((workers or self.tail)[-15:])
-        return f"{self.reason}: node {self.node} exit code {self.exit_code}{worker}. Last lines of node {self.node}:\n{last}"
+        head = f"{self.reason}: node {self.node} exit code {self.exit_code}{worker}"
+        return f"{head}. Last lines of node {self.node}:\n{last}"
 
 
 def free_port() -> int:
@@ -63,14 +64,20 @@ def torchrun_command(spec: LaunchSpec, endpoint: str, run_id: str) -> list[str]:
     # first, and runpy warns when the module it is about to run as __main__ was imported already.
     from vlm_assets.launch.lifeline import worker_entry, wrap_agent
 
-    return wrap_agent([
-        f"--nnodes={spec.num_nodes}", f"--nproc-per-node={spec.nproc_per_node}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-        # is_host=false: the rendezvous store is the launcher's (run_local), not an agent's.
-        f"--rdzv-conf=join_timeout={spec.rendezvous_timeout_s},is_host=false",
-        "--max-restarts=0",  # a failed job is retried by the orchestrator, from the last checkpoint
-        *worker_entry(spec.module), *spec.args,
-    ])
+    return wrap_agent(
+        [
+            f"--nnodes={spec.num_nodes}",
+            f"--nproc-per-node={spec.nproc_per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}",
+            # is_host=false: the rendezvous store is the launcher's (run_local), not an agent's.
+            f"--rdzv-conf=join_timeout={spec.rendezvous_timeout_s},is_host=false",
+            "--max-restarts=0",  # a failed job is retried by the orchestrator, from the last checkpoint
+            *worker_entry(spec.module),
+            *spec.args,
+        ]
+    )
 
 
 def run_local(spec: LaunchSpec, on_line: Callable[[str], None] = print, env: Mapping[str, str] | None = None) -> None:
@@ -95,12 +102,18 @@ def run_local(spec: LaunchSpec, on_line: Callable[[str], None] = print, env: Map
     try:
         for node in range(spec.num_nodes):
             proc = subprocess.Popen(
-                torchrun_command(spec, endpoint, run_id), env=full_env, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+                torchrun_command(spec, endpoint, run_id),
+                env=full_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+                start_new_session=True,
             )
             nodes.append(proc)
             threading.Thread(target=_pump, args=(node, proc, lines), daemon=True).start()
-        on_line(f"[launcher] {spec.name}: {spec.num_nodes} node(s) x {spec.nproc_per_node} process(es), rendezvous {endpoint}")
+        shape = f"{spec.num_nodes} node(s) x {spec.nproc_per_node} process(es)"
+        on_line(f"[launcher] {spec.name}: {shape}, rendezvous {endpoint}")
         _supervise(spec, nodes, lines, tails, on_line)
     finally:
         stop_process_trees([p for p in nodes if p.poll() is None])
@@ -136,14 +149,17 @@ def _supervise(spec, nodes, lines, tails, on_line) -> None:
             stop_process_trees([p for p in nodes if p.poll() is None])
             _drain(lines, tails, on_line)
             node = failed[0]
-            raise LaunchFailed(node, codes[node], _worker_exit_code(tails[node]), list(tails[node]), f"{spec.name} failed")
+            raise LaunchFailed(
+                node, codes[node], _worker_exit_code(tails[node]), list(tails[node]), f"{spec.name} failed"
+            )
         if all(code == 0 for code in codes) and open_streams == 0:
             return
         if time.monotonic() > deadline:
             stop_process_trees(nodes)
             _drain(lines, tails, on_line)
-            raise LaunchFailed(0, None, None, list(tails[0]), f"{spec.name} ran past its {spec.timeout_s} s timeout",
-                               retryable=False)
+            raise LaunchFailed(
+                0, None, None, list(tails[0]), f"{spec.name} ran past its {spec.timeout_s} s timeout", retryable=False
+            )
 
 
 def _drain(lines, tails, on_line) -> None:
@@ -191,16 +207,12 @@ def stop_process_trees(procs: list[subprocess.Popen]) -> None:
     pids = [pid for proc in procs for pid in process_tree(proc.pid)]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + (_GRACE_S if sig == signal.SIGTERM else 5.0)
         for proc in procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         pids = [pid for pid in pids if alive(pid)]
         if not pids:
             return
@@ -225,6 +237,7 @@ def started_at(pid: int) -> float | None:
     """Wall-clock start time of a live, non-zombie process on this host; None if there is none."""
     if (fields := _live_stat(pid)) is None:
         return None
-    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                if line.startswith("btime "))
+    boot = next(
+        float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
+    )
     return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start, in clock ticks

@@ -58,7 +58,9 @@ class LaunchSpec:
         if not re.fullmatch(r"[A-Za-z_][\w.]*", self.module):
             raise ValueError(f"LaunchSpec.module must be a dotted module name, got {self.module!r}")
         if self.num_nodes < 1 or self.nproc_per_node < 1:
-            raise ValueError(f"LaunchSpec: num_nodes ({self.num_nodes}) and nproc_per_node ({self.nproc_per_node}) must be >= 1")
+            raise ValueError(
+                f"LaunchSpec: num_nodes ({self.num_nodes}) and nproc_per_node ({self.nproc_per_node}) must be >= 1"
+            )
         if self.rendezvous_timeout_s < 1 or self.timeout_s < 1:
             raise ValueError("LaunchSpec: timeouts must be positive seconds")
 

@@ -31,8 +31,10 @@ class OcclusionAdapterPredictor(mlflow.pyfunc.PythonModel):
     # A DataFrame hint: MLflow then validates against the signature logged with the model (a base64
     # PNG column and a box column, eval_assets) instead of inferring one from the hint.
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
-        triples = [preprocess(decode_png(base64.b64decode(image)), box, self.image_size)
-                   for image, box in zip(model_input["image"], model_input["box"])]
+        triples = [
+            preprocess(decode_png(base64.b64decode(image)), box, self.image_size)
+            for image, box in zip(model_input["image"], model_input["box"])
+        ]
         occluded, masks = torch.stack([t[0] for t in triples]), torch.stack([t[2] for t in triples])
         with torch.no_grad():
             restored = self.adapter(occluded, masks)

@@ -17,10 +17,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from vlm_assets.data.tokens import IGNORE_INDEX
 from vlm_assets.models.qwen_patches import MERGE, PATCH, dense_to_packed
 from vlm_assets.paths import require_local
-
-IGNORE_INDEX = -100
 
 
 def normalize_answer(text: str) -> str:
@@ -39,14 +38,21 @@ class FrozenVLM(nn.Module, ABC):
 
 
 class QwenVLBackbone(FrozenVLM):
-    def __init__(self, name_or_path: str, *, max_length: int = 512, dtype: torch.dtype = torch.float32,
-                 gradient_checkpointing: bool = False):
+    def __init__(
+        self,
+        name_or_path: str,
+        *,
+        max_length: int = 512,
+        dtype: torch.dtype = torch.float32,
+        gradient_checkpointing: bool = False,
+    ):
         super().__init__()
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
 
         require_local(name_or_path, "backbone")
         self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            name_or_path, dtype=dtype, attn_implementation="sdpa")
+            name_or_path, dtype=dtype, attn_implementation="sdpa"
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         processor = Qwen2VLImageProcessor.from_pretrained(name_or_path)
         self.register_buffer("mean", torch.tensor(processor.image_mean).view(1, 3, 1, 1), persistent=False)
@@ -62,7 +68,9 @@ class QwenVLBackbone(FrozenVLM):
                 raise ValueError(f"gradient_checkpointing needs a backbone without dropout, this one has {dropouts}")
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train(gradient_checkpointing)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        )
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -78,7 +86,7 @@ class QwenVLBackbone(FrozenVLM):
         return packed, grid, tokens_per_image
 
     def _prefix(self, prompt: str, image_tokens: int) -> list[int]:
-        return prompt_ids(self.tokenizer, prompt, image_tokens)
+        return qwen_prompt_ids(self.tokenizer, prompt, image_tokens)
 
     def _batch(self, pixels, prompts, answers=None, left_pad=False):
         if pixels.shape[0] != len(prompts) or (answers is not None and len(answers) != len(prompts)):
@@ -87,10 +95,16 @@ class QwenVLBackbone(FrozenVLM):
         rows, labels = [], []
         for i, prompt in enumerate(prompts):
             prefix = self._prefix(prompt, image_tokens)
-            target = [] if answers is None else self.tokenizer(f"{answers[i]}<|im_end|>", add_special_tokens=False)["input_ids"]
+            target = (
+                []
+                if answers is None
+                else self.tokenizer(f"{answers[i]}<|im_end|>", add_special_tokens=False)["input_ids"]
+            )
             if len(prefix) + len(target) > self.max_length:
-                raise ValueError(f"sample {i}: prompt + answer is {len(prefix) + len(target)} tokens "
-                                 f"({image_tokens} image tokens), longer than max_length {self.max_length}")
+                raise ValueError(
+                    f"sample {i}: prompt + answer is {len(prefix) + len(target)} tokens "
+                    f"({image_tokens} image tokens), longer than max_length {self.max_length}"
+                )
             rows.append(prefix + target)
             labels.append([IGNORE_INDEX] * len(prefix) + target)
         width = max(map(len, rows))
@@ -105,20 +119,34 @@ class QwenVLBackbone(FrozenVLM):
 
     def loss(self, pixels, prompts, answers):
         ids, mask, labels, packed, grid = self._batch(pixels, prompts, answers)
-        return self.model(input_ids=ids, attention_mask=mask, pixel_values=packed, image_grid_thw=grid,
-                          labels=labels).loss
+        return self.model(
+            input_ids=ids, attention_mask=mask, pixel_values=packed, image_grid_thw=grid, labels=labels
+        ).loss
 
     @torch.no_grad()
     def generate(self, pixels, prompts, max_new_tokens=8):
         ids, mask, _, packed, grid = self._batch(pixels, prompts, left_pad=True)
-        out = self.model.generate(input_ids=ids, attention_mask=mask, pixel_values=packed, image_grid_thw=grid,
-                                  max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_id)
-        return self.tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            pixel_values=packed,
+            image_grid_thw=grid,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=self.pad_id,
+        )
+        return self.tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
 
 
 class VisualChatBackbone(FrozenVLM):
-    def __init__(self, directory: str, *, max_length: int = 512, dtype: torch.dtype = torch.float32,
-                 gradient_checkpointing: bool = False):
+    def __init__(
+        self,
+        directory: str,
+        *,
+        max_length: int = 512,
+        dtype: torch.dtype = torch.float32,
+        gradient_checkpointing: bool = False,
+    ):
         super().__init__()
         from vlm_assets.models.visualchat import VisualChatModel
 
@@ -139,7 +167,9 @@ class VisualChatBackbone(FrozenVLM):
     def _pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         size = self.model.encoder.image_size
         if pixels.shape[-2:] != (size, size):  # bicubic, as the trainer's images are resized (PIL)
-            pixels = nn.functional.interpolate(pixels, size=(size, size), mode="bicubic", align_corners=False).clamp(0, 1)
+            pixels = nn.functional.interpolate(pixels, size=(size, size), mode="bicubic", align_corners=False).clamp(
+                0, 1
+            )
         return pixels.to(self.dtype)
 
     def loss(self, pixels, prompts, answers):
@@ -147,22 +177,35 @@ class VisualChatBackbone(FrozenVLM):
 
         if pixels.shape[0] != len(prompts) or len(answers) != len(prompts):
             raise ValueError(f"{pixels.shape[0]} images, {len(prompts)} prompts, {len(answers)} answers")
-        samples = [vd.render(vd.ChatRecord(one_image_turn(p, a), [], f"sample {i}"), self.tokenizer,
-                             self.model.image_token_id, self.model.num_image_tokens, self.max_length)
-                   for i, (p, a) in enumerate(zip(prompts, answers))]
+        samples = [
+            vd.render(
+                vd.ChatRecord(one_image_turn(p, a), [], f"sample {i}"),
+                self.tokenizer,
+                self.model.image_token_id,
+                self.model.num_image_tokens,
+                self.max_length,
+            )
+            for i, (p, a) in enumerate(zip(prompts, answers))
+        ]
         batch = vd.collate([[s] for s in samples], self.tokenizer.pad_token_id, self.model.encoder.image_size)
         device = pixels.device
-        return self.model(input_ids=batch["input_ids"].to(device), pixels=self._pixels(pixels),
-                          labels=batch["labels"].to(device), segments=batch["segments"].to(device),
-                          position_ids=batch["position_ids"].to(device)).loss
+        return self.model(
+            input_ids=batch["input_ids"].to(device),
+            pixels=self._pixels(pixels),
+            labels=batch["labels"].to(device),
+            segments=batch["segments"].to(device),
+            position_ids=batch["position_ids"].to(device),
+        ).loss
 
     @torch.no_grad()
     def generate(self, pixels, prompts, max_new_tokens=8):
         # One image at a time: on a CPU the EfficientNet encoder ran 2-3x slower per image in batches of
         # 8-32 than alone (measured on the demo's model), and decoding 8 tokens is the smaller part.
         pixels = self._pixels(pixels)
-        return [self.model.reply(one_image_turn(prompt, None), pixels[i:i + 1], max_new_tokens)
-                for i, prompt in enumerate(prompts)]
+        return [
+            self.model.reply(one_image_turn(prompt, None), pixels[i : i + 1], max_new_tokens)
+            for i, prompt in enumerate(prompts)
+        ]
 
 
 def one_image_turn(prompt: str, answer: str | None) -> list[dict]:
@@ -180,10 +223,12 @@ def load_backbone(name_or_path: str, **settings) -> FrozenVLM:
     return (VisualChatBackbone if is_visualchat(name_or_path) else QwenVLBackbone)(name_or_path, **settings)
 
 
-def prompt_ids(tokenizer, prompt: str, image_tokens: int) -> list[int]:
+def qwen_prompt_ids(tokenizer, prompt: str, image_tokens: int) -> list[int]:
     """The user turn (image placeholders + prompt) and the assistant header, in Qwen's chat format."""
-    text = (f"<|im_start|>user\n<|vision_start|>{'<|image_pad|>' * image_tokens}<|vision_end|>{prompt}"
-            f"<|im_end|>\n<|im_start|>assistant\n")
+    text = (
+        f"<|im_start|>user\n<|vision_start|>{'<|image_pad|>' * image_tokens}<|vision_end|>{prompt}"
+        f"<|im_end|>\n<|im_start|>assistant\n"
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -200,11 +245,14 @@ def check_prompt_lengths(backbone: str, rows: list[dict], image_size: int, max_l
     tokenizer = AutoTokenizer.from_pretrained(backbone)
     image_tokens = (image_size // PATCH) ** 2 // (MERGE * MERGE)
     for (prompt, label), line in first_line.items():  # prompts repeat: tokenize each distinct pair once
-        count = len(prompt_ids(tokenizer, prompt, image_tokens)) + len(
-            tokenizer(f"{label}<|im_end|>", add_special_tokens=False)["input_ids"])
+        count = len(qwen_prompt_ids(tokenizer, prompt, image_tokens)) + len(
+            tokenizer(f"{label}<|im_end|>", add_special_tokens=False)["input_ids"]
+        )
         if count > max_length:
-            raise ValueError(f"{where}:{line}: prompt + answer is {count} tokens ({image_tokens} image tokens), "
-                             f"longer than max_length {max_length}")
+            raise ValueError(
+                f"{where}:{line}: prompt + answer is {count} tokens ({image_tokens} image tokens), "
+                f"longer than max_length {max_length}"
+            )
 
 
 def _check_visualchat_lengths(directory: Path, first_line: dict, max_length: int, where: str) -> None:
@@ -221,7 +269,14 @@ def _check_visualchat_lengths(directory: Path, first_line: dict, max_length: int
     limit = min(max_length, positions or max_length)
     for (prompt, label), line in first_line.items():
         try:
-            vd.render(vd.ChatRecord(one_image_turn(prompt, label), [], f"{where}:{line}"), tokenizer,
-                      spec["image_token_id"], spec["num_image_tokens"], limit)
+            vd.render(
+                vd.ChatRecord(one_image_turn(prompt, label), [], f"{where}:{line}"),
+                tokenizer,
+                spec["image_token_id"],
+                spec["num_image_tokens"],
+                limit,
+            )
         except ValueError as err:
-            raise ValueError(f"{err}" + (f" (the decoder has {positions} positions)" if limit < max_length else "")) from None
+            raise ValueError(
+                f"{err}" + (f" (the decoder has {positions} positions)" if limit < max_length else "")
+            ) from None

@@ -13,8 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
-
+from vlm_assets.data.tokens import IGNORE_INDEX
 
 # Shapes live apart from the model so configs can name presets without importing torch.
 from vlm_assets.models.gpt_presets import PRESETS, GPTConfig, preset  # noqa: E402,F401
@@ -76,7 +75,7 @@ class GPT(nn.Module):
         # probability with no extra pass over the (tokens x vocab) logits, and the logits stay
         # contiguous for the loss (slicing them instead costs a copy forward and a fill+copy backward).
         bias = torch.zeros(config.padded_vocab_size)
-        bias[config.vocab_size:] = float("-inf")
+        bias[config.vocab_size :] = float("-inf")
         self.register_buffer("logit_bias", bias, persistent=False)
         self.apply(self._init_weights)
         # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) so the residual stream's variance

@@ -12,11 +12,22 @@ import torch
 
 from vlm_assets.models.gpt import GPTConfig
 
-_TRANSPOSED = {"attn.qkv.weight": "attn.c_attn.weight", "attn.proj.weight": "attn.c_proj.weight",
-               "mlp.fc.weight": "mlp.c_fc.weight", "mlp.proj.weight": "mlp.c_proj.weight"}
-_SAME = {"attn.qkv.bias": "attn.c_attn.bias", "attn.proj.bias": "attn.c_proj.bias", "mlp.fc.bias": "mlp.c_fc.bias",
-         "mlp.proj.bias": "mlp.c_proj.bias", "ln_1.weight": "ln_1.weight", "ln_1.bias": "ln_1.bias",
-         "ln_2.weight": "ln_2.weight", "ln_2.bias": "ln_2.bias"}
+_TRANSPOSED = {
+    "attn.qkv.weight": "attn.c_attn.weight",
+    "attn.proj.weight": "attn.c_proj.weight",
+    "mlp.fc.weight": "mlp.c_fc.weight",
+    "mlp.proj.weight": "mlp.c_proj.weight",
+}
+_SAME = {
+    "attn.qkv.bias": "attn.c_attn.bias",
+    "attn.proj.bias": "attn.c_proj.bias",
+    "mlp.fc.bias": "mlp.c_fc.bias",
+    "mlp.proj.bias": "mlp.c_proj.bias",
+    "ln_1.weight": "ln_1.weight",
+    "ln_1.bias": "ln_1.bias",
+    "ln_2.weight": "ln_2.weight",
+    "ln_2.bias": "ln_2.bias",
+}
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
@@ -41,9 +52,17 @@ def export_hf(state: dict[str, torch.Tensor], config: GPTConfig, out_dir: Path, 
     if not config.bias:
         raise ValueError("Hugging Face GPT-2 has biases everywhere: export needs a GPTConfig with bias=True")
     hf_config = GPT2Config(
-        vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
-        n_head=config.n_head, activation_function="gelu_new", resid_pdrop=config.dropout, embd_pdrop=config.dropout,
-        attn_pdrop=config.dropout, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+        vocab_size=config.vocab_size,
+        n_positions=config.block_size,
+        n_embd=config.n_embd,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        activation_function="gelu_new",
+        resid_pdrop=config.dropout,
+        embd_pdrop=config.dropout,
+        attn_pdrop=config.dropout,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True,
     )
     model = GPT2LMHeadModel(hf_config)
     missing, unexpected = model.load_state_dict(to_hf_state_dict(state, config), strict=False)

@@ -27,9 +27,12 @@ class OcclusionAdapter(nn.Module):
             raise ValueError(f"steps must be at least 1, got {steps}")
         self.steps = steps
         self.net = nn.Sequential(
-            nn.Conv2d(4, hidden, 3, padding=1), nn.GELU(),
-            nn.Conv2d(hidden, hidden, 3, padding=1), nn.GELU(),
-            nn.Conv2d(hidden, 3, 1), nn.Tanh(),
+            nn.Conv2d(4, hidden, 3, padding=1),
+            nn.GELU(),
+            nn.Conv2d(hidden, hidden, 3, padding=1),
+            nn.GELU(),
+            nn.Conv2d(hidden, 3, 1),
+            nn.Tanh(),
         )
         self.gate = nn.Parameter(torch.tensor(float(gate_init)))
 
@@ -38,8 +41,10 @@ class OcclusionAdapter(nn.Module):
         if pixels.ndim != 4 or pixels.shape[1] != 3:
             raise ValueError(f"pixels must be (batch, 3, height, width), got {tuple(pixels.shape)}")
         if mask.shape != (pixels.shape[0], 1, *pixels.shape[2:]):
-            raise ValueError(f"mask must be (batch, 1, height, width) = {(pixels.shape[0], 1, *pixels.shape[2:])}, "
-                             f"got {tuple(mask.shape)}")
+            raise ValueError(
+                f"mask must be (batch, 1, height, width) = {(pixels.shape[0], 1, *pixels.shape[2:])}, "
+                f"got {tuple(mask.shape)}"
+            )
         mask = mask.to(pixels.dtype)
         for _ in range(self.steps):
             pixels = pixels + torch.tanh(self.gate) * self.net(torch.cat([pixels, mask], dim=1))

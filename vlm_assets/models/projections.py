@@ -18,8 +18,9 @@ def sincos_2d(height: int, width: int, dim: int) -> torch.Tensor:
         raise ValueError(f"2-D sin-cos positions need a width divisible by 4, got {dim}")
     quarter = dim // 4
     omega = 1.0 / (10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter))
-    rows, cols = torch.meshgrid(torch.arange(height, dtype=torch.float64), torch.arange(width, dtype=torch.float64),
-                                indexing="ij")
+    rows, cols = torch.meshgrid(
+        torch.arange(height, dtype=torch.float64), torch.arange(width, dtype=torch.float64), indexing="ij"
+    )
     parts = []
     for grid in (rows.flatten(), cols.flatten()):
         angles = grid[:, None] * omega[None, :]
@@ -47,8 +48,9 @@ class PerceiverProjection(nn.Module):
         return self.norm(out)
 
 
-def build_projection(kind: ProjectionKind, in_dim: int, out_dim: int, *, num_tokens_in: int, num_queries: int,
-                     num_heads: int = 8) -> nn.Module:
+def build_projection(
+    kind: ProjectionKind, in_dim: int, out_dim: int, *, num_tokens_in: int, num_queries: int, num_heads: int = 8
+) -> nn.Module:
     if kind == "linear":
         return nn.Sequential(nn.Linear(in_dim, out_dim), nn.LayerNorm(out_dim))
     if kind == "mlp":

@@ -18,8 +18,9 @@ def _check(height: int, width: int, patch: int, merge: int) -> None:
         raise ValueError(f"image size {height}x{width} must be a multiple of patch x merge = {patch * merge}")
 
 
-def dense_to_packed(pixels: torch.Tensor, patch: int = PATCH, temporal_patch: int = TEMPORAL_PATCH,
-                    merge: int = MERGE) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_to_packed(
+    pixels: torch.Tensor, patch: int = PATCH, temporal_patch: int = TEMPORAL_PATCH, merge: int = MERGE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, C, H, W) normalized pixels -> (B * h * w, C * temporal_patch * patch**2) and grid_thw (B, 3)."""
     batch, channels, height, width = pixels.shape
     _check(height, width, patch, merge)
@@ -32,15 +33,21 @@ def dense_to_packed(pixels: torch.Tensor, patch: int = PATCH, temporal_patch: in
     return packed, grid
 
 
-def packed_to_dense(packed: torch.Tensor, grid_thw: torch.Tensor, channels: int = 3, patch: int = PATCH,
-                    temporal_patch: int = TEMPORAL_PATCH, merge: int = MERGE) -> list[torch.Tensor]:
+def packed_to_dense(
+    packed: torch.Tensor,
+    grid_thw: torch.Tensor,
+    channels: int = 3,
+    patch: int = PATCH,
+    temporal_patch: int = TEMPORAL_PATCH,
+    merge: int = MERGE,
+) -> list[torch.Tensor]:
     """The inverse: one (C, H, W) tensor per image (images may differ in size)."""
     images, start = [], 0
     for t, grid_h, grid_w in grid_thw.tolist():
         if t != 1:
             raise ValueError(f"grid_thw {t, grid_h, grid_w}: images have one temporal patch, videos are not supported")
         count = grid_h * grid_w
-        rows = packed[start:start + count]
+        rows = packed[start : start + count]
         if rows.shape != (count, channels * temporal_patch * patch * patch):
             raise ValueError(f"packed rows {tuple(rows.shape)} do not match grid {t, grid_h, grid_w}")
         x = rows.reshape(grid_h // merge, grid_w // merge, merge, merge, channels, temporal_patch, patch, patch)

@@ -22,8 +22,9 @@ class Registration:
     action: str  # "registered" | "alias moved" | "already current"
 
 
-def register_once(client, name: str, alias: str, weights_sha256: str, log_model: Callable[[], Any],
-                  description: str) -> Registration:
+def register_once(
+    client, name: str, alias: str, weights_sha256: str, log_model: Callable[[], Any], description: str
+) -> Registration:
     """Make ``name@alias`` point at the version holding these weights. ``log_model`` logs the model and
     returns its ``mlflow.models.model.ModelInfo``; it is called only when no version with these
     weights exists."""
@@ -43,8 +44,16 @@ def register_once(client, name: str, alias: str, weights_sha256: str, log_model:
         # version with these weights exists untagged, so a retry never registers them twice. The
         # model id and run go with the source: a tracking server refuses a `models:/m-...` source
         # without the id of the logged model it names (a local store lets it pass).
-        version = str(client.create_model_version(name, logged.model_uri, run_id=logged.run_id, model_id=logged.model_id,
-                                                  tags={WEIGHTS_TAG: weights_sha256}, description=description).version)
+        version = str(
+            client.create_model_version(
+                name,
+                logged.model_uri,
+                run_id=logged.run_id,
+                model_id=logged.model_id,
+                tags={WEIGHTS_TAG: weights_sha256},
+                description=description,
+            ).version
+        )
         action = "registered"
     try:
         current = str(client.get_model_version_by_alias(name, alias).version)

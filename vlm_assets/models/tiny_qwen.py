@@ -8,8 +8,15 @@ No hub is reachable here: tests, the demo profile and CPU benchmarks use this; t
 from collections.abc import Iterable
 from pathlib import Path
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|image_pad|>", "<|video_pad|>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
@@ -19,24 +26,52 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(list(texts), trainer)
-    return Qwen2TokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                              unk_token=None, bos_token=None, additional_special_tokens=SPECIAL_TOKENS[1:])
+    return Qwen2TokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
 
 
 # The text and vision shapes of Qwen/Qwen2.5-VL-3B-Instruct (its config.json), for benchmarks with
 # random weights where nothing can be downloaded.
-QWEN25_VL_3B_TEXT = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                         num_key_value_heads=2, vocab_size=151936,
-                         rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
-QWEN25_VL_3B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
-                           window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
+QWEN25_VL_3B_TEXT = dict(
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_hidden_layers=36,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+)
+QWEN25_VL_3B_VISION = dict(
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    out_hidden_size=2048,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+)
 
 
-def build_tiny_qwen(out_dir: Path, texts: Iterable[str], *, hidden: int = 64, layers: int = 2, seed: int = 0,
-                    text_overrides: dict | None = None, vision_overrides: dict | None = None) -> Path:
+def build_tiny_qwen(
+    out_dir: Path,
+    texts: Iterable[str],
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    seed: int = 0,
+    text_overrides: dict | None = None,
+    vision_overrides: dict | None = None,
+) -> Path:
     """Write a randomly initialised tiny ``Qwen2_5_VLForConditionalGeneration`` + tokenizer + image processor
     (``text_overrides``/``vision_overrides`` replace config fields, e.g. the 3B shapes above)."""
     import torch
@@ -46,17 +81,46 @@ def build_tiny_qwen(out_dir: Path, texts: Iterable[str], *, hidden: int = 64, la
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     head_dim = hidden // 2
     config = Qwen2_5_VLConfig(
-        text_config={**dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=1024, tie_word_embeddings=True,
-                         rope_scaling={"type": "mrope", "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]},
-                         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]), **(text_overrides or {})},
-        vision_config={**dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                           fullatt_block_indexes=[1]), **(vision_overrides or {})},
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        text_config={
+            **dict(
+                vocab_size=len(tokenizer),
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=1024,
+                tie_word_embeddings=True,
+                rope_scaling={
+                    "type": "mrope",
+                    "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16],
+                },
+                eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"],
+            ),
+            **(text_overrides or {}),
+        },
+        vision_config={
+            **dict(
+                depth=2,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=hidden,
+                patch_size=14,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                window_size=56,
+                fullatt_block_indexes=[1],
+            ),
+            **(vision_overrides or {}),
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)

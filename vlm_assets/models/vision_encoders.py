@@ -54,8 +54,10 @@ class VisionEncoder(nn.Module, ABC):
 
     def _check(self, pixels: torch.Tensor) -> None:
         if pixels.ndim != 4 or pixels.shape[1:] != (3, self.image_size, self.image_size):
-            raise ValueError(f"{self.kind} encoder expects (N, 3, {self.image_size}, {self.image_size}) pixels, "
-                             f"got {tuple(pixels.shape)}")
+            raise ValueError(
+                f"{self.kind} encoder expects (N, 3, {self.image_size}, {self.image_size}) pixels, "
+                f"got {tuple(pixels.shape)}"
+            )
 
 
 class EfficientNetLite0Encoder(VisionEncoder):
@@ -162,10 +164,13 @@ class QwenVisualEncoder(VisionEncoder):
 
         directory.mkdir(parents=True, exist_ok=True)
         self.visual.config.save_pretrained(directory)
-        save_file({k: v.contiguous() for k, v in self.visual.state_dict().items()}, str(directory / "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in self.visual.state_dict().items()}, str(directory / "model.safetensors")
+        )
         self.processor.save_pretrained(directory)
-        (directory / "qwen_visual.json").write_text(json.dumps({"image_size": self.image_size,
-                                                                "hidden_size": self.hidden_size}))
+        (directory / "qwen_visual.json").write_text(
+            json.dumps({"image_size": self.image_size, "hidden_size": self.hidden_size})
+        )
 
     @classmethod
     def load(cls, directory: Path) -> "QwenVisualEncoder":
@@ -181,7 +186,8 @@ class QwenVisualEncoder(VisionEncoder):
         encoder = cls.__new__(cls)
         VisionEncoder.__init__(encoder, list(processor.image_mean), list(processor.image_std))
         encoder.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(
-            Qwen2_5_VLVisionConfig.from_pretrained(directory))
+            Qwen2_5_VLVisionConfig.from_pretrained(directory)
+        )
         encoder.visual.load_state_dict(load_file(str(directory / "model.safetensors")))
         encoder.processor = processor
         encoder.image_size, encoder.hidden_size = meta["image_size"], meta["hidden_size"]

@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from vlm_assets.data.tokens import IGNORE_INDEX, positions_from_segments
 from vlm_assets.models import visualchat_attention
-from vlm_assets.models.frozen_vlm import IGNORE_INDEX
 from vlm_assets.models.projections import build_projection, tokens_out
 from vlm_assets.models.vision_encoders import VisionEncoder, build_encoder, load_encoder
-from vlm_assets.models.visualchat_spec import VisualChatModelConfig
 from vlm_assets.models.visualchat_attention import Layout, attention_layout
+from vlm_assets.models.visualchat_spec import VisualChatModelConfig
 from vlm_assets.paths import require_local
 
 IMAGE_TOKEN = "<image>"
@@ -76,14 +76,28 @@ class VisualChatModel(nn.Module):
         if len(tokenizer) > decoder.get_input_embeddings().num_embeddings:
             decoder.resize_token_embeddings(len(tokenizer), mean_resizing=False)
         width = decoder.get_input_embeddings().embedding_dim
-        projection = build_projection(config.projection, encoder.hidden_size, width,
-                                      num_tokens_in=encoder.num_tokens, num_queries=config.num_queries)
-        spec = {"encoder_kind": encoder.kind, "projection": config.projection, "num_queries": config.num_queries,
-                "encoder_dim": encoder.hidden_size, "decoder_dim": width, "encoder_tokens": encoder.num_tokens,
-                "num_image_tokens": tokens_out(config.projection, encoder.num_tokens, config.num_queries),
-                "image_token": IMAGE_TOKEN, "image_token_id": tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-                "mmca": config.mmca, "max_images": config.max_images, "max_length": config.max_length,
-                "preprocessing": encoder.preprocessing()}
+        projection = build_projection(
+            config.projection,
+            encoder.hidden_size,
+            width,
+            num_tokens_in=encoder.num_tokens,
+            num_queries=config.num_queries,
+        )
+        spec = {
+            "encoder_kind": encoder.kind,
+            "projection": config.projection,
+            "num_queries": config.num_queries,
+            "encoder_dim": encoder.hidden_size,
+            "decoder_dim": width,
+            "encoder_tokens": encoder.num_tokens,
+            "num_image_tokens": tokens_out(config.projection, encoder.num_tokens, config.num_queries),
+            "image_token": IMAGE_TOKEN,
+            "image_token_id": tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+            "mmca": config.mmca,
+            "max_images": config.max_images,
+            "max_length": config.max_length,
+            "preprocessing": encoder.preprocessing(),
+        }
         return cls._assemble(encoder, projection, decoder, tokenizer, spec)
 
     @classmethod
@@ -98,8 +112,10 @@ class VisualChatModel(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.encoder.save(directory / "encoder")
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.projection.state_dict().items()},
-                  str(directory / "projection.safetensors"))
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in self.projection.state_dict().items()},
+            str(directory / "projection.safetensors"),
+        )
         # Saved with standard attention so that the decoder directory is a plain HF checkpoint.
         self.decoder.config._attn_implementation = "sdpa"
         try:
@@ -120,8 +136,13 @@ class VisualChatModel(nn.Module):
             raise FileNotFoundError(f"{directory}: not a VisualChat model directory (no {SPEC_FILE})")
         spec = json.loads((directory / SPEC_FILE).read_text())
         encoder = load_encoder(spec["encoder_kind"], directory / "encoder")
-        projection = build_projection(spec["projection"], spec["encoder_dim"], spec["decoder_dim"],
-                                      num_tokens_in=spec["encoder_tokens"], num_queries=spec["num_queries"])
+        projection = build_projection(
+            spec["projection"],
+            spec["encoder_dim"],
+            spec["decoder_dim"],
+            num_tokens_in=spec["encoder_tokens"],
+            num_queries=spec["num_queries"],
+        )
         projection.load_state_dict(load_file(str(directory / "projection.safetensors")))
         decoder = AutoModelForCausalLM.from_pretrained(directory / "decoder", dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(directory / "decoder")
@@ -153,15 +174,22 @@ class VisualChatModel(nn.Module):
         num_slots = int(slots.sum())
         num_images = 0 if pixels is None else pixels.shape[0]
         if num_slots != num_images * self.num_image_tokens:
-            raise ValueError(f"{num_slots} image token positions for {num_images} image(s) of "
-                             f"{self.num_image_tokens} tokens each")
+            raise ValueError(
+                f"{num_slots} image token positions for {num_images} image(s) of {self.num_image_tokens} tokens each"
+            )
         if num_images:
             features = self.image_features(pixels).to(embeddings.dtype)
             embeddings = embeddings.masked_scatter(slots[..., None], features.reshape(-1, features.shape[-1]))
         return embeddings
 
-    def forward(self, input_ids: torch.Tensor, pixels: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                segments: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        pixels: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ):
         """Decoder output. With ``labels``: ``.loss`` (mean over the unmasked answer tokens) and ``.logits``
         at the positions followed by a label in some row only.
         ``segments`` (B, T): packed-sample ids, 0 = padding (default: one sample per row, no padding);
@@ -180,27 +208,38 @@ class VisualChatModel(nn.Module):
             targets = labels[:, 1:]
             keep = (targets != IGNORE_INDEX).any(dim=0).nonzero().flatten()
             out = self.decoder(inputs_embeds=embeds, position_ids=position_ids, logits_to_keep=keep)
-            out.loss = nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), targets[:, keep].flatten(),
-                                                   ignore_index=IGNORE_INDEX)
+            out.loss = nn.functional.cross_entropy(
+                out.logits.flatten(0, 1).float(), targets[:, keep].flatten(), ignore_index=IGNORE_INDEX
+            )
             return out
 
     def layout(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> Layout:
         """The attention layout of a batch. A training step with gradient checkpointing holds it around
         backward too (``attention_layout``): the recomputed forward runs there."""
-        return Layout(torch.ones_like(input_ids) if segments is None else segments, input_ids == self.image_token_id,
-                      self.mmca)
+        return Layout(
+            torch.ones_like(input_ids) if segments is None else segments, input_ids == self.image_token_id, self.mmca
+        )
 
     def reply(self, messages: list[dict], pixels: torch.Tensor | None, max_new_tokens: int = 8) -> str:
         """The greedy reply to a conversation (chat messages) whose image parts are ``pixels``, in order."""
         from vlm_assets.data.visualchat_data import prompt_ids
 
         ids = prompt_ids(messages, self.tokenizer, self.image_token_id, self.num_image_tokens)
-        return self.tokenizer.decode(list(self.stream(ids, pixels, max_new_tokens=max_new_tokens)),
-                                     skip_special_tokens=True).strip()
+        return self.tokenizer.decode(
+            list(self.stream(ids, pixels, max_new_tokens=max_new_tokens)), skip_special_tokens=True
+        ).strip()
 
     @torch.no_grad()
-    def stream(self, input_ids: list[int], pixels: torch.Tensor | None, *, max_new_tokens: int = 64,
-               temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None) -> Iterator[int]:
+    def stream(
+        self,
+        input_ids: list[int],
+        pixels: torch.Tensor | None,
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[int]:
         """New token ids one at a time (greedy at temperature 0, else nucleus sampling), KV cache kept;
         stops at the end-of-sequence token, or at the decoder's last position."""
         from transformers import DynamicCache
@@ -215,8 +254,13 @@ class VisualChatModel(nn.Module):
             layout = Layout(torch.ones(1, length, dtype=torch.long), image, self.mmca)
             positions = torch.arange(length - embeds.shape[1], length)[None]
             with attention_layout(layout):
-                out = self.decoder(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True,
-                                   logits_to_keep=1)
+                out = self.decoder(
+                    inputs_embeds=embeds,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             token = _pick(out.logits[0, -1], temperature, top_p, generator)
             if token == self.tokenizer.eos_token_id:
                 return
@@ -230,16 +274,6 @@ def decoder_positions(config) -> int | None:
     """The most positions a decoder's config declares (GPT-2's learned table, Llama's
     ``max_position_embeddings``), or None when it declares none."""
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-
-
-def positions_from_segments(segments: torch.Tensor) -> torch.Tensor:
-    """Position ids that restart at 0 where a new segment starts (padding continues its run)."""
-    t = segments.shape[1]
-    index = torch.arange(t, device=segments.device).expand_as(segments)
-    starts = torch.ones_like(segments, dtype=torch.bool)
-    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - last_start
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:

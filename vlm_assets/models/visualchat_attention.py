@@ -54,9 +54,9 @@ def allowed_keys(layout: Layout, num_queries: int) -> torch.Tensor:
     segments = layout.segments
     k = segments.shape[1]
     key_pos = torch.arange(k, device=segments.device)
-    query_pos = key_pos[k - num_queries:]
+    query_pos = key_pos[k - num_queries :]
     causal = key_pos[None, :] <= query_pos[:, None]
-    query_segments = segments[:, k - num_queries:]
+    query_segments = segments[:, k - num_queries :]
     same = (query_segments[:, :, None] == segments[:, None, :]) & (query_segments[:, :, None] > 0)
     self_only = (query_segments[:, :, None] == 0) & (key_pos[None, None, :] == query_pos[None, :, None])
     return (same & causal[None]) | self_only
@@ -68,8 +68,9 @@ def visualchat_attention(module, query, key, value, attention_mask, scaling=None
 
     layout = _LAYOUT.get()
     if layout is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     dropout = dropout if module.training else 0.0
@@ -78,18 +79,20 @@ def visualchat_attention(module, query, key, value, attention_mask, scaling=None
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
     q = query.shape[2]
-    key_image = layout.image[:, None, None, :]                       # (B, 1, 1, K)
-    query_image = layout.image[:, None, -q:, None]                   # (B, 1, Q, 1)
+    key_image = layout.image[:, None, None, :]  # (B, 1, 1, K)
+    query_image = layout.image[:, None, -q:, None]  # (B, 1, Q, 1)
     to_images = allowed & key_image
     to_text = allowed & ~key_image & ~query_image
     # The image part: every image query has itself; a text query with no image before it gets zero.
-    image_out = F.scaled_dot_product_attention(query, key, value, attn_mask=to_images | ~to_images.any(-1, keepdim=True),
-                                               dropout_p=dropout, scale=scaling)
+    image_out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=to_images | ~to_images.any(-1, keepdim=True), dropout_p=dropout, scale=scaling
+    )
     image_out = image_out * to_images.any(-1, keepdim=True)
     # The text part: text queries only (an image query keeps a dummy row, then zeroed).
     text_rows = to_text.any(-1, keepdim=True)
-    text_out = F.scaled_dot_product_attention(query, key, value, attn_mask=to_text | ~text_rows,
-                                              dropout_p=dropout, scale=scaling)
+    text_out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=to_text | ~text_rows, dropout_p=dropout, scale=scaling
+    )
     out = image_out + text_out * text_rows
     return out.transpose(1, 2).contiguous(), None
 
@@ -102,5 +105,3 @@ def register() -> None:
     AttentionInterface.register(ATTENTION, visualchat_attention)
     # The masks transformers builds for the no-layout path (padding, KV cache) are SDPA's.
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-
-

@@ -27,11 +27,14 @@ class VisualChatPredictor(mlflow.pyfunc.PythonModel):
 
         answers = []
         for question, images in zip(model_input["question"], model_input["images"]):
-            pixels = [to_pixels(Image.open(io.BytesIO(base64.b64decode(b64))), self.model.encoder.image_size)
-                      for b64 in images]
+            pixels = [
+                to_pixels(Image.open(io.BytesIO(base64.b64decode(b64))), self.model.encoder.image_size)
+                for b64 in images
+            ]
             content = [{"type": "image", "image": ""} for _ in pixels] + [{"type": "text", "text": question}]
-            answers.append(self.model.reply([{"role": "user", "content": content}],
-                                            torch.stack(pixels) if pixels else None))
+            answers.append(
+                self.model.reply([{"role": "user", "content": content}], torch.stack(pixels) if pixels else None)
+            )
         return answers
 
 

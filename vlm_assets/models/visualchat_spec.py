@@ -15,15 +15,23 @@ class VisualChatModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    encoder_kind: EncoderKind = Field(default="efficientnet_lite0", description=(
-        "Vision encoder family: clip | qwen2_5_vl | efficientnet_lite0 (offline, pretrained)."))
-    encoder: str | None = Field(default=None, description=(
-        "clip / qwen2_5_vl: hub id or directory (e.g. openai/clip-vit-large-patch14); efficientnet_lite0: "
-        "unset (the packaged ImageNet weights) or a weights file."))
+    encoder_kind: EncoderKind = Field(
+        default="efficientnet_lite0",
+        description=("Vision encoder family: clip | qwen2_5_vl | efficientnet_lite0 (offline, pretrained)."),
+    )
+    encoder: str | None = Field(
+        default=None,
+        description=(
+            "clip / qwen2_5_vl: hub id or directory (e.g. openai/clip-vit-large-patch14); efficientnet_lite0: "
+            "unset (the packaged ImageNet weights) or a weights file."
+        ),
+    )
     projection: ProjectionKind = Field(default="mlp", description="linear | mlp | perceiver.")
     num_queries: int = Field(default=32, ge=1, description="perceiver only: image tokens per image.")
-    decoder: str = Field(default="meta-llama/Llama-2-7b-hf", description=(
-        "Causal LM: hub id or directory ('gpt_checkpoint' in the asset: the graph's own GPT export)."))
+    decoder: str = Field(
+        default="meta-llama/Llama-2-7b-hf",
+        description=("Causal LM: hub id or directory ('gpt_checkpoint' in the asset: the graph's own GPT export)."),
+    )
     mmca: bool = Field(default=False, description="Multi-modal causal attention instead of plain causal.")
     max_images: int = Field(default=8, ge=1, description="Most images in one sample.")
     max_length: int = Field(default=4096, ge=16, description="Most tokens in one sample, image tokens included.")

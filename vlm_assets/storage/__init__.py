@@ -2,9 +2,9 @@
 
 from vlm_assets.storage.artifact_store import (
     ArtifactManifest,
-    ArtifactStore,
     ArtifactNotFoundError,
     ArtifactRef,
+    ArtifactStore,
     CorruptArtifactError,
     LocalArtifactStore,
 )

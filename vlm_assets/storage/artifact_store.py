@@ -23,9 +23,9 @@ import tempfile
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from vlm_assets.storage.lease import Lease, LeaseState
 
@@ -344,4 +344,3 @@ def verify_files(root: Path, manifest: ArtifactManifest) -> None:
             raise CorruptArtifactError(f"{path}: listed in the manifest of '{manifest.key}' but missing")
         if path.stat().st_size != expected["size"] or sha256_file(path) != expected["sha256"]:
             raise CorruptArtifactError(f"{path}: content does not match the manifest of '{manifest.key}'")
-

@@ -21,7 +21,8 @@ import os
 import socket
 import threading
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +51,10 @@ class LeaseState:
 
     def describe(self) -> str:
         h = self.holder
-        return (f"run {h.get('run_id', '?')} on {h.get('host', '?')} (pid {h.get('pid', '?')}) since "
-                f"{h.get('since', '?')}, renewed {self.age_s:.0f} s ago")
+        return (
+            f"run {h.get('run_id', '?')} on {h.get('host', '?')} (pid {h.get('pid', '?')}) since "
+            f"{h.get('since', '?')}, renewed {self.age_s:.0f} s ago"
+        )
 
 
 class LeaseHeldError(RuntimeError):
@@ -63,16 +66,22 @@ class LeaseLostError(RuntimeError):
 
 
 def holder_record(run_id: str, **extra: Any) -> dict[str, Any]:
-    return {"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(),
-            "since": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "attempt": uuid.uuid4().hex, **extra}
+    return {
+        "run_id": run_id,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "since": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "attempt": uuid.uuid4().hex,
+        **extra,
+    }
 
 
 class Lease:
     """``try_acquire`` then ``release`` (or ``with store.lease(...)`` after a successful acquire)."""
 
-    def __init__(self, backend: Any, key: str, holder: dict[str, Any], ttl_s: float,
-                 log: Callable[[str], None] | None = None):
+    def __init__(
+        self, backend: Any, key: str, holder: dict[str, Any], ttl_s: float, log: Callable[[str], None] | None = None
+    ):
         if ttl_s <= 0:
             raise ValueError(f"lease ttl_s must be > 0, got {ttl_s}")
         self.backend, self.key, self.holder, self.ttl_s = backend, key, holder, ttl_s
@@ -117,8 +126,10 @@ class Lease:
     def ensure_held(self) -> None:
         """Raise ``LeaseLostError`` if the lease was lost; call right before committing."""
         if self.lost or self._token is None:
-            raise LeaseLostError(f"lease on {self.key} is no longer held by this attempt "
-                                 f"(not renewed within {self.ttl_s:.0f} s and taken over): nothing committed")
+            raise LeaseLostError(
+                f"lease on {self.key} is no longer held by this attempt "
+                f"(not renewed within {self.ttl_s:.0f} s and taken over): nothing committed"
+            )
 
     def release(self) -> None:
         self._stop.set()

@@ -37,7 +37,8 @@ def _precondition_failed(err: ClientError) -> bool:
 
 class S3ArtifactStore(ArtifactStore):
     def __init__(self, client: Any, bucket: str, prefix: str = "", cache_dir: str | os.PathLike[str] | None = None):
-        """``client`` is a boto3 S3 client (with ``endpoint_url`` for non-AWS stores). ``cache_dir`` holds verified local copies for readers."""
+        """``client`` is a boto3 S3 client (with ``endpoint_url`` for non-AWS stores). ``cache_dir`` holds
+        verified local copies for readers."""
         if not bucket:
             raise ValueError("S3ArtifactStore: 'bucket' must be set")
         self.client = client
@@ -81,8 +82,11 @@ class S3ArtifactStore(ArtifactStore):
                 self.client.upload_file(str(staging / rel), self.bucket, object_key)
                 uploaded.append(object_key)
             self.client.put_object(
-                Bucket=self.bucket, Key=self._object_key(key, MANIFEST_NAME), Body=manifest.to_json().encode(),
-                ContentType="application/json", IfNoneMatch="*",
+                Bucket=self.bucket,
+                Key=self._object_key(key, MANIFEST_NAME),
+                Body=manifest.to_json().encode(),
+                ContentType="application/json",
+                IfNoneMatch="*",
             )
             return manifest
         except ClientError as err:
@@ -106,7 +110,7 @@ class S3ArtifactStore(ArtifactStore):
         sizes = {}
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
             for obj in page.get("Contents", []):
-                sizes[obj["Key"][len(base):]] = obj["Size"]
+                sizes[obj["Key"][len(base) :]] = obj["Size"]
         return {rel: sizes[rel] for rel in manifest.files if rel in sizes}
 
     def local_path(self, key: str, cache_dir: Path | None = None) -> Path:
@@ -138,7 +142,7 @@ class S3ArtifactStore(ArtifactStore):
         keys = []
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
             for obj in page.get("Contents", []):
-                rest = obj["Key"][len(base):]
+                rest = obj["Key"][len(base) :]
                 if rest.count("/") == 1 and rest.endswith("/" + MANIFEST_NAME):
                     keys.append(f"{prefix.strip('/')}/{rest.split('/')[0]}")
         return sorted(keys)
@@ -158,15 +162,16 @@ class S3ArtifactStore(ArtifactStore):
         prefix, states = self._object_key(".leases") + "/", []
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
             for obj in page.get("Contents", []):
-                key = obj["Key"][len(prefix):].removesuffix(".json").replace("__", "/")
+                key = obj["Key"][len(prefix) :].removesuffix(".json").replace("__", "/")
                 if (state := self.lease_read(key)) is not None:
                     states.append(state)
         return states
 
     def lease_create(self, key: str, body: bytes) -> str | None:
         try:
-            return self.client.put_object(Bucket=self.bucket, Key=self._lease_key(key), Body=body,
-                                          IfNoneMatch="*")["ETag"]
+            return self.client.put_object(Bucket=self.bucket, Key=self._lease_key(key), Body=body, IfNoneMatch="*")[
+                "ETag"
+            ]
         except ClientError as err:
             if _precondition_failed(err):
                 return None
@@ -177,7 +182,7 @@ class S3ArtifactStore(ArtifactStore):
             obj = self.client.get_object(Bucket=self.bucket, Key=self._lease_key(key))
         except self.client.exceptions.NoSuchKey:
             return None
-        age = (dt.datetime.now(dt.timezone.utc) - obj["LastModified"]).total_seconds()
+        age = (dt.datetime.now(dt.UTC) - obj["LastModified"]).total_seconds()
         return LeaseState(json.loads(obj["Body"].read()), max(0.0, age), obj["ETag"])
 
     def lease_renew(self, key: str, token: str) -> str | None:
@@ -185,8 +190,9 @@ class S3ArtifactStore(ArtifactStore):
         if state is None or state.token != token:
             return None
         try:
-            return self.client.put_object(Bucket=self.bucket, Key=self._lease_key(key),
-                                          Body=json.dumps(state.holder).encode(), IfMatch=token)["ETag"]
+            return self.client.put_object(
+                Bucket=self.bucket, Key=self._lease_key(key), Body=json.dumps(state.holder).encode(), IfMatch=token
+            )["ETag"]
         except ClientError as err:
             if _precondition_failed(err) or err.response.get("Error", {}).get("Code") == "NoSuchKey":
                 return None

@@ -1,42 +1,15 @@
-"""Lightning parts of adapter training: the frozen backbone with the trainable adapter in front, and
-the occlusion data. Only adapter parameters are optimized and checkpointed."""
-
-import json
-from pathlib import Path
+"""Lightning part of adapter training: the frozen backbone with the trainable adapter in front (the
+data is ``vlm_assets.data.occlusion_dataset.OcclusionSamples``). Only adapter parameters are optimized
+and checkpointed."""
 
 import lightning as L
 import torch
-from torch.utils.data import Dataset
 
-from vlm_assets.data.occlusion_dataset import OcclusionDataset
 from vlm_assets.models.frozen_vlm import FrozenVLM, load_backbone
 from vlm_assets.models.occlusion_adapter import OcclusionAdapter
 from vlm_assets.train.adapter_config import AdapterTrainConfig
 
 ADAPTER_PREFIX = "adapter."
-
-
-class OcclusionSamples(Dataset):
-    """Manifest rows as dicts: occluded/clean pixels, mask, label index, prompt and answer text."""
-
-    def __init__(self, root: Path, split: str, image_size: int, limit: int | None):
-        self.images = OcclusionDataset(root, split, image_size)
-        self.count = len(self.images) if limit is None else min(limit, len(self.images))
-
-    def __len__(self) -> int:
-        return self.count
-
-    def check_images(self) -> None:
-        """Open every row's image (memory-mapped, no decoding): a missing file or an index outside its
-        pack raises here, naming the manifest line, instead of mid-epoch in a worker."""
-        for i in range(self.count):
-            self.images.images.get(self.images.rows[i], where=f"{self.images.manifest}:{i + 1}")
-
-    def __getitem__(self, i: int) -> dict:
-        occluded, clean, mask, label_index = self.images[i]
-        row = self.images.rows[i]
-        return {"occluded": occluded, "clean": clean, "mask": mask, "label_index": label_index,
-                "prompt": row["prompt"], "answer": row["label"]}
 
 
 def masked_l1(restored: torch.Tensor, clean: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -56,8 +29,12 @@ class AdapterModule(L.LightningModule):
         # Reconstruction alone (warm-up spans every epoch) never runs the backbone: do not load it.
         if self.backbone is None and self.config.reconstruction_warmup_epochs < self.config.epochs:
             dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-            self.backbone = load_backbone(self.backbone_path, max_length=self.config.max_length, dtype=dtype,
-                                          gradient_checkpointing=self.config.gradient_checkpointing)
+            self.backbone = load_backbone(
+                self.backbone_path,
+                max_length=self.config.max_length,
+                dtype=dtype,
+                gradient_checkpointing=self.config.gradient_checkpointing,
+            )
 
     def losses(self, batch: dict, with_lm: bool = True) -> dict[str, torch.Tensor]:
         restored = self.adapter(batch["occluded"], batch["mask"])
@@ -86,8 +63,9 @@ class AdapterModule(L.LightningModule):
         self.log_dict({f"val/{k}": v for k, v in losses.items()}, sync_dist=True, batch_size=len(batch["prompt"]))
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.adapter.parameters(), lr=self.config.lr, betas=(0.9, 0.95),
-                                 weight_decay=self.config.weight_decay)
+        return torch.optim.AdamW(
+            self.adapter.parameters(), lr=self.config.lr, betas=(0.9, 0.95), weight_decay=self.config.weight_decay
+        )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Never the backbone: a checkpoint is the adapter (kilobytes) plus optimizer and loop state.
@@ -98,15 +76,3 @@ class AdapterModule(L.LightningModule):
         if self.backbone is not None:
             self.backbone.train(False)
         return self
-
-
-def collate(samples: list[dict]) -> dict:
-    out = {k: torch.stack([s[k] for s in samples]) for k in ("occluded", "clean", "mask")}
-    out["label_index"] = torch.tensor([s["label_index"] for s in samples])
-    out["prompt"] = [s["prompt"] for s in samples]
-    out["answer"] = [s["answer"] for s in samples]
-    return out
-
-
-def class_names(manifests_dir: Path) -> list[str]:
-    return json.loads((Path(manifests_dir) / "dataset.json").read_text())["class_names"]

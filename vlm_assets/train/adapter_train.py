@@ -22,9 +22,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
+from vlm_assets.data.occlusion_dataset import OcclusionSamples, collate
 from vlm_assets.storage import store_from_spec
 from vlm_assets.train.adapter_config import AdapterTrainConfig
-from vlm_assets.train.adapter_module import AdapterModule, OcclusionSamples, collate
+from vlm_assets.train.adapter_module import AdapterModule
 from vlm_assets.train.checkpoints import CHECKPOINT_FILE, CHECKPOINT_NAME, StoreCheckpointIO, latest_checkpoint
 from vlm_assets.train.reporting import Reporter, quiet_lightning
 from vlm_assets.train.run_config import RunPaths, read_run_file
@@ -68,15 +69,31 @@ class EpochHistory(L.Callback):
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
         # The mean over every rank's batches (a collective: every rank is here).
-        means = {k: float(trainer.strategy.reduce(torch.tensor(v / max(self._count, 1), device=pl_module.device),
-                                                  reduce_op="mean"))
-                 for k, v in sorted(self._sums.items())}
-        self.epochs.append({"epoch": trainer.current_epoch, "step": trainer.global_step, **means,
-                            **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}})
+        means = {
+            k: float(
+                trainer.strategy.reduce(
+                    torch.tensor(v / max(self._count, 1), device=pl_module.device), reduce_op="mean"
+                )
+            )
+            for k, v in sorted(self._sums.items())
+        }
+        self.epochs.append(
+            {
+                "epoch": trainer.current_epoch,
+                "step": trainer.global_step,
+                **means,
+                **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")},
+            }
+        )
         # Equal on every rank already (Lightning asks epoch-level values to be synced); "step":
         # validation runs before Lightning counts the step.
-        pl_module.log_dict({**{k.replace("train/", "train_epoch/", 1): v for k, v in means.items()},
-                            "step": float(trainer.global_step)}, sync_dist=True)
+        pl_module.log_dict(
+            {
+                **{k.replace("train/", "train_epoch/", 1): v for k, v in means.items()},
+                "step": float(trainer.global_step),
+            },
+            sync_dist=True,
+        )
 
     def state_dict(self) -> dict:
         return {"epochs": self.epochs}
@@ -97,11 +114,20 @@ def build_trainer(config: AdapterTrainConfig, callbacks, loggers, checkpoint_io:
 
         strategy_obj = DDPStrategy(process_group_backend="nccl" if cuda else "gloo", checkpoint_io=checkpoint_io)
     return L.Trainer(
-        accelerator="gpu" if cuda else "cpu", devices=local_world, num_nodes=world // local_world,
-        strategy=strategy_obj, precision="bf16-mixed" if cuda else "32-true", max_epochs=config.epochs,
-        accumulate_grad_batches=config.accumulation(world), gradient_clip_val=config.grad_clip or None,
-        num_sanity_val_steps=0, logger=loggers, log_every_n_steps=config.log_every, callbacks=callbacks,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="gpu" if cuda else "cpu",
+        devices=local_world,
+        num_nodes=world // local_world,
+        strategy=strategy_obj,
+        precision="bf16-mixed" if cuda else "32-true",
+        max_epochs=config.epochs,
+        accumulate_grad_batches=config.accumulation(world),
+        gradient_clip_val=config.grad_clip or None,
+        num_sanity_val_steps=0,
+        logger=loggers,
+        log_every_n_steps=config.log_every,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
 
 
@@ -144,29 +170,48 @@ def train(config: AdapterTrainConfig, paths: RunPaths, rank: int, reporter: Repo
     resume = latest_checkpoint(store, paths.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
     history = EpochHistory(reporter)
     # After every validation, i.e. every epoch (the validation loop runs at each epoch's end).
-    checkpoints = ModelCheckpoint(dirpath=cache / "staging", filename=CHECKPOINT_NAME, auto_insert_metric_name=False,
-                                  every_n_epochs=1, save_on_train_epoch_end=False, save_top_k=-1,
-                                  enable_version_counter=False)
+    checkpoints = ModelCheckpoint(
+        dirpath=cache / "staging",
+        filename=CHECKPOINT_NAME,
+        auto_insert_metric_name=False,
+        every_n_epochs=1,
+        save_on_train_epoch_end=False,
+        save_top_k=-1,
+        enable_version_counter=False,
+    )
     checkpoint_io = StoreCheckpointIO(store, paths.checkpoint_prefix, keep_last=2, log=reporter.log)
     trainer = build_trainer(config, [history, checkpoints], reporter.loggers(), checkpoint_io)
     module = AdapterModule(config, backbone)
-    loaders = [DataLoader(data, batch_size=config.micro_batch_size, shuffle=shuffle, collate_fn=collate)
-               for data, shuffle in ((train_data, True), (val_data, False))]
-    reporter.log(f"adapter on frozen {backbone}: {len(train_data)} train / {len(val_data)} val samples, "
-                 + (f"resuming from {resume[0]}" if resume else "starting from scratch"))
-    trainer.fit(module, *loaders, ckpt_path=str(resume[1]) if resume else None,
-                weights_only=False)  # our own full checkpoint, its sha256 verified against the manifest
+    loaders = [
+        DataLoader(data, batch_size=config.micro_batch_size, shuffle=shuffle, collate_fn=collate)
+        for data, shuffle in ((train_data, True), (val_data, False))
+    ]
+    reporter.log(
+        f"adapter on frozen {backbone}: {len(train_data)} train / {len(val_data)} val samples, "
+        + (f"resuming from {resume[0]}" if resume else "starting from scratch")
+    )
+    trainer.fit(
+        module, *loaders, ckpt_path=str(resume[1]) if resume else None, weights_only=False
+    )  # our own full checkpoint, its sha256 verified against the manifest
     if rank == 0:
         out = Path(paths.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in module.adapter.state_dict().items()},
-                  str(out / "adapter.safetensors"))
-        (out / "history.json").write_text(json.dumps({"epochs": history.epochs,
-                                                      "resumed_from_epoch": history.resumed_from_epoch}))
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in module.adapter.state_dict().items()},
+            str(out / "adapter.safetensors"),
+        )
+        (out / "history.json").write_text(
+            json.dumps({"epochs": history.epochs, "resumed_from_epoch": history.resumed_from_epoch})
+        )
         last = history.epochs[-1]
-        reporter.materialization({**{k.replace("/", "_"): v for k, v in last.items()},
-                                  "gate": float(module.adapter.gate.detach()), "epochs": config.epochs,
-                                  "resumed_from_epoch": -1 if history.resumed_from_epoch is None else history.resumed_from_epoch})
+        reporter.materialization(
+            {
+                **{k.replace("/", "_"): v for k, v in last.items()},
+                "gate": float(module.adapter.gate.detach()),
+                "epochs": config.epochs,
+                "resumed_from_epoch": -1 if history.resumed_from_epoch is None else history.resumed_from_epoch,
+            }
+        )
     trainer.strategy.barrier("adapter written")
 
 

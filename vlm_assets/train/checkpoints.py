@@ -28,8 +28,9 @@ def step_key(prefix: str, step: int) -> str:
     return f"{prefix.strip('/')}/step-{step:08d}"
 
 
-def latest_checkpoint(store: ArtifactStore, prefix: str, log: Callable[[str], None],
-                      cache_dir: Path | None = None) -> tuple[str, Path] | None:
+def latest_checkpoint(
+    store: ArtifactStore, prefix: str, log: Callable[[str], None], cache_dir: Path | None = None
+) -> tuple[str, Path] | None:
     """(key, local checkpoint file) of the newest complete, uncorrupted checkpoint; None if there is none."""
     for key in reversed(store.list_complete(prefix)):
         try:
@@ -98,8 +99,14 @@ class StepCheckpoint(ModelCheckpoint):
     """
 
     def __init__(self, staging: Path, *, every: int, val_every: int):
-        super().__init__(dirpath=staging, filename=CHECKPOINT_NAME, auto_insert_metric_name=False,
-                         every_n_train_steps=every, save_top_k=-1, enable_version_counter=False)
+        super().__init__(
+            dirpath=staging,
+            filename=CHECKPOINT_NAME,
+            auto_insert_metric_name=False,
+            every_n_train_steps=every,
+            save_top_k=-1,
+            enable_version_counter=False,
+        )
         self.every, self.val_every = every, val_every
 
     def _validates(self, step: int) -> bool:

@@ -14,16 +14,26 @@ from vlm_assets.data.occlusion_dataset import OcclusionDataset
 from vlm_assets.models.frozen_vlm import QwenVLBackbone
 
 
-def train_clean_backbone(backbone_dir: Path, manifests: Path, out_dir: Path, *, image_size: int = 56,
-                         steps: int = 300, batch_size: int = 16, lr: float = 2e-3, seed: int = 0) -> Path:
+def train_clean_backbone(
+    backbone_dir: Path,
+    manifests: Path,
+    out_dir: Path,
+    *,
+    image_size: int = 56,
+    steps: int = 300,
+    batch_size: int = 16,
+    lr: float = 2e-3,
+    seed: int = 0,
+) -> Path:
     torch.manual_seed(seed)
     backbone = QwenVLBackbone(str(backbone_dir))
     backbone.model.requires_grad_(True)
     backbone.model.train()
     data = OcclusionDataset(manifests, "train", image_size)
     prompts = {row["label_index"]: (row["prompt"], row["label"]) for row in data.rows}
-    loader = DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(seed))
+    loader = DataLoader(
+        data, batch_size=batch_size, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(seed)
+    )
     optimizer = torch.optim.AdamW(backbone.model.parameters(), lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
     step = 0

@@ -12,9 +12,14 @@ from vlm_assets.train.run_config import RunConfig, run_field
 class PretrainConfig(RunConfig):
     preset: str = Field(default="124M", description=f"Model shape and default lr: one of {list(PRESETS)}.")
     dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout in embeddings, attention and MLP.")
-    strategy: Literal["ddp", "fsdp2"] = Field(default="fsdp2", description="DDP, or FSDP2 (fully_shard per block, then the root).")
-    micro_batch_size: int = run_field(8, "Sequences per process per forward/backward (memory, not the math: "
-                                         "accumulation keeps the global batch).", ge=1)
+    strategy: Literal["ddp", "fsdp2"] = Field(
+        default="fsdp2", description="DDP, or FSDP2 (fully_shard per block, then the root)."
+    )
+    micro_batch_size: int = run_field(
+        8,
+        "Sequences per process per forward/backward (memory, not the math: accumulation keeps the global batch).",
+        ge=1,
+    )
     global_batch_size: int = Field(default=256, ge=1, description="Sequences per optimizer step over all processes.")
     lr: float | None = Field(default=None, gt=0, description="Peak learning rate; unset = the preset's.")
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Cosine decays to lr x this.")
@@ -25,7 +30,9 @@ class PretrainConfig(RunConfig):
     val_check_interval: int = Field(default=200, ge=1, description="Validate every this many steps (and at the end).")
     val_batches: int = Field(default=20, ge=1, description="Micro-batches per validation.")
     seed: int = Field(default=1337, description="Seeds init and data order.")
-    activation_checkpointing: bool = run_field(False, "Recompute each block's activations in backward (memory for time).")
+    activation_checkpointing: bool = run_field(
+        False, "Recompute each block's activations in backward (memory for time)."
+    )
     checkpoint_every: int = run_field(200, "Commit a checkpoint every this many steps (and at the end).", ge=1)
     keep_last: int = run_field(2, "Complete checkpoints kept in the store.", ge=1)
     log_every: int = run_field(10, "Report metrics (Pipes, MLflow) every this many steps.", ge=1)

@@ -83,10 +83,15 @@ class GPTPretrainModule(L.LightningModule):
 
     def configure_optimizers(self):
         fused = self.device.type == "cuda"
-        optimizer = torch.optim.AdamW(param_groups(self.model, self.config.weight_decay), lr=self.lr,
-                                      betas=(0.9, 0.95), eps=1e-8, fused=fused)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(
-            step, warmup=self.config.warmup_steps, total=self.config.max_steps, min_ratio=self.config.min_lr_ratio))
+        optimizer = torch.optim.AdamW(
+            param_groups(self.model, self.config.weight_decay), lr=self.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused
+        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: warmup_cosine(
+                step, warmup=self.config.warmup_steps, total=self.config.max_steps, min_ratio=self.config.min_lr_ratio
+            ),
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
@@ -111,18 +116,34 @@ class TokenDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         cache = f"{self.cache_dir}/shards"
         if self.train_data is None:
-            self.train_data = token_dataset(self.shards_uri, "train", cache_dir=cache,
-                                            batch_size=self.config.micro_batch_size, shuffle=True, seed=self.config.seed)
-            self.val_data = token_dataset(self.shards_uri, "val", cache_dir=cache,
-                                          batch_size=self.config.micro_batch_size)
+            self.train_data = token_dataset(
+                self.shards_uri,
+                "train",
+                cache_dir=cache,
+                batch_size=self.config.micro_batch_size,
+                shuffle=True,
+                seed=self.config.seed,
+            )
+            self.val_data = token_dataset(
+                self.shards_uri, "val", cache_dir=cache, batch_size=self.config.micro_batch_size
+            )
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_data, batch_size=self.config.micro_batch_size, collate_fn=collate_tokens,
-                          num_workers=self.config.num_workers, drop_last=True)
+        return DataLoader(
+            self.train_data,
+            batch_size=self.config.micro_batch_size,
+            collate_fn=collate_tokens,
+            num_workers=self.config.num_workers,
+            drop_last=True,
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_data, batch_size=self.config.micro_batch_size, collate_fn=collate_tokens,
-                          num_workers=self.config.num_workers)
+        return DataLoader(
+            self.val_data,
+            batch_size=self.config.micro_batch_size,
+            collate_fn=collate_tokens,
+            num_workers=self.config.num_workers,
+        )
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         if self.trainer.training:

@@ -3,9 +3,10 @@
     torchrun --nnodes=1 --nproc-per-node=2 -m vlm_assets.train.gpt_pretrain --config run.json
 
 ``run.json`` holds a ``PretrainConfig`` and the ``RunPaths`` of the launch (``write_run_file``). The run
-resumes by itself from the newest intact checkpoint under ``checkpoint_prefix``; at the end rank 0 writes into ``out_dir``: ``checkpoint.ckpt`` (consolidated,
-the last committed one), ``hf/`` (a ``GPT2LMHeadModel`` export with tokenizer), ``history.json`` and
-``reference.json`` (the loss of this model on a fixed validation batch, for the export check).
+resumes by itself from the newest intact checkpoint under ``checkpoint_prefix``; at the end rank 0 writes
+into ``out_dir``: ``checkpoint.ckpt`` (consolidated, the last committed one), ``hf/`` (a ``GPT2LMHeadModel``
+export with tokenizer), ``history.json`` and ``reference.json`` (the loss of this model on a fixed
+validation batch, for the export check).
 Launched by Dagster, global rank 0 reports logs, metrics and the final metadata through Pipes.
 """
 
@@ -26,12 +27,11 @@ from vlm_assets.data.token_stream import reference_batch
 from vlm_assets.models.gpt import GPT, preset
 from vlm_assets.models.gpt_export import export_hf
 from vlm_assets.storage import store_from_spec
-from vlm_assets.train.checkpoints import (CHECKPOINT_FILE, StepCheckpoint, StoreCheckpointIO, latest_checkpoint,
-                                          step_key)
+from vlm_assets.train.checkpoints import CHECKPOINT_FILE, StepCheckpoint, StoreCheckpointIO, latest_checkpoint, step_key
 from vlm_assets.train.gpt_config import PretrainConfig
-from vlm_assets.train.run_config import RunPaths, read_run_file
 from vlm_assets.train.gpt_module import GPTPretrainModule, TokenDataModule
 from vlm_assets.train.reporting import Reporter, TrainingHistory, quiet_lightning
+from vlm_assets.train.run_config import RunPaths, read_run_file
 
 REFERENCE_SAMPLES = 8
 # Lightning only knows resumable *loaders*; the position is restored by TokenDataModule.load_state_dict.
@@ -46,18 +46,32 @@ def build_trainer(config: PretrainConfig, callbacks: list[L.Callback], loggers, 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
     if config.strategy == "fsdp2":
-        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=False)
+        strategy = ModelParallelStrategy(
+            data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=False
+        )
     else:
         strategy = DDPStrategy(process_group_backend="nccl" if cuda else "gloo")
     accumulation = config.accumulation(world)
     return L.Trainer(
-        accelerator="gpu" if cuda else "cpu", devices=local_world, num_nodes=world // local_world, strategy=strategy,
-        precision="bf16-mixed" if cuda else "32-true", max_steps=config.max_steps, max_epochs=-1,
-        accumulate_grad_batches=accumulation, val_check_interval=config.val_check_interval * accumulation,
-        check_val_every_n_epoch=None, limit_val_batches=config.val_batches, num_sanity_val_steps=0,
+        accelerator="gpu" if cuda else "cpu",
+        devices=local_world,
+        num_nodes=world // local_world,
+        strategy=strategy,
+        precision="bf16-mixed" if cuda else "32-true",
+        max_steps=config.max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=accumulation,
+        val_check_interval=config.val_check_interval * accumulation,
+        check_val_every_n_epoch=None,
+        limit_val_batches=config.val_batches,
+        num_sanity_val_steps=0,
         use_distributed_sampler=False,  # streaming shards the samples over ranks itself
-        logger=loggers, log_every_n_steps=config.log_every, callbacks=callbacks, plugins=[checkpoint_io],
-        enable_progress_bar=False, enable_model_summary=False,
+        logger=loggers,
+        log_every_n_steps=config.log_every,
+        callbacks=callbacks,
+        plugins=[checkpoint_io],
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
 
 
@@ -74,8 +88,10 @@ def main(argv: list[str] | None = None) -> None:
 def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, reporter: Reporter) -> None:
     shards_uri = paths.input("token_shards")
     summary = json.loads(_shards_path(shards_uri, paths.cache_dir, "tokens.json").read_text())
-    model_config, preset_lr = preset(config.preset, **{"vocab_size": summary["vocab_size"],
-                                                        "block_size": summary["max_length"], "dropout": config.dropout})
+    model_config, preset_lr = preset(
+        config.preset,
+        **{"vocab_size": summary["vocab_size"], "block_size": summary["max_length"], "dropout": config.dropout},
+    )
     lr = config.lr or preset_lr
     L.seed_everything(config.seed, workers=True, verbose=False)
     store = store_from_spec(paths.checkpoint_store)
@@ -88,11 +104,14 @@ def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, report
     trainer = build_trainer(config, [history, checkpoints], reporter.loggers(), checkpoint_io)
     module = GPTPretrainModule(model_config, config, lr)
     data = TokenDataModule(config, shards_uri, paths.cache_dir)
-    reporter.log(f"GPT {config.preset} ({model_config}), {config.strategy} on {world} process(es), "
-                 f"accumulation {config.accumulation(world)}, lr {lr}, "
-                 + (f"resuming from {resume[0]}" if resume else "starting from scratch"))
-    trainer.fit(module, datamodule=data, ckpt_path=str(resume[1]) if resume else None,
-                weights_only=False)  # our own full checkpoint, its sha256 verified against the manifest
+    reporter.log(
+        f"GPT {config.preset} ({model_config}), {config.strategy} on {world} process(es), "
+        f"accumulation {config.accumulation(world)}, lr {lr}, "
+        + (f"resuming from {resume[0]}" if resume else "starting from scratch")
+    )
+    trainer.fit(
+        module, datamodule=data, ckpt_path=str(resume[1]) if resume else None, weights_only=False
+    )  # our own full checkpoint, its sha256 verified against the manifest
     tokens_per_s = history.tokens_per_s(trainer.global_step)
     if history.val and history.val[-1]["step"] == trainer.global_step:  # fit validated at its last step
         final_val = history.val[-1]["loss"]
@@ -114,14 +133,22 @@ def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, report
         (out / "reference.json").write_text(json.dumps({"val_batch_loss": reference, "num_samples": REFERENCE_SAMPLES}))
         history.save(out / "history.json")
         train_loss = history.train[-1]["loss"]
-        reporter.materialization({
-            "train_loss": train_loss, "train_perplexity": math.exp(min(train_loss, 20)),
-            "val_loss": final_val, "val_perplexity": math.exp(min(final_val, 20)),
-            "steps": trainer.global_step, "tokens_seen": trainer.global_step * tokens_per_step,
-            "tokens_per_s": tokens_per_s, "num_params": sum(v.numel() for k, v in state.items() if k != "lm_head.weight"),
-            "resumed_from_step": history.resumed_from_step if history.resumed_from_step is not None else -1,
-            "world_size": world, "strategy": config.strategy, "checkpoint": final[0],
-        })
+        reporter.materialization(
+            {
+                "train_loss": train_loss,
+                "train_perplexity": math.exp(min(train_loss, 20)),
+                "val_loss": final_val,
+                "val_perplexity": math.exp(min(final_val, 20)),
+                "steps": trainer.global_step,
+                "tokens_seen": trainer.global_step * tokens_per_step,
+                "tokens_per_s": tokens_per_s,
+                "num_params": sum(v.numel() for k, v in state.items() if k != "lm_head.weight"),
+                "resumed_from_step": history.resumed_from_step if history.resumed_from_step is not None else -1,
+                "world_size": world,
+                "strategy": config.strategy,
+                "checkpoint": final[0],
+            }
+        )
     trainer.strategy.barrier("export written")
 
 
@@ -149,7 +176,7 @@ def _shards_path(shards_uri: str, cache_dir: str, rel: str) -> Path:
         for obj in page.get("Contents", []):
             if obj["Key"] != base and not obj["Key"].startswith(base + "/"):
                 continue
-            path = target if obj["Key"] == base else target / obj["Key"][len(base) + 1:]
+            path = target if obj["Key"] == base else target / obj["Key"][len(base) + 1 :]
             path.parent.mkdir(parents=True, exist_ok=True)
             client.download_file(bucket, obj["Key"], str(path))
     if not target.exists():

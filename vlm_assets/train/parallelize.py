@@ -20,7 +20,9 @@ def apply_fsdp2(model: GPT, mesh, *, bf16: bool) -> None:
     Each block is its own all-gather/reduce-scatter unit, so communication of block i+1 overlaps the
     compute of block i. On GPU parameters are all-gathered in bf16 and gradients reduced in fp32.
     """
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     for block in model.blocks:
         # The last block's parameters are needed again at once by the root's backward: keep them gathered.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=block is not model.blocks[-1])

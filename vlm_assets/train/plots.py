@@ -16,7 +16,12 @@ def loss_curve_png(history: dict, uniform_loss: float, title: str, baseline_labe
     ax.plot([p["step"] for p in train], [p["loss"] for p in train], label="train", linewidth=1)
     if val:
         ax.plot([p["step"] for p in val], [p["loss"] for p in val], "o-", label="val")
-    ax.axhline(uniform_loss, color="grey", linestyle="--", label=baseline_label or f"uniform predictor (ln V = {uniform_loss:.2f})")
+    ax.axhline(
+        uniform_loss,
+        color="grey",
+        linestyle="--",
+        label=baseline_label or f"uniform predictor (ln V = {uniform_loss:.2f})",
+    )
     if history.get("resumed_from_step") is not None:
         ax.axvline(history["resumed_from_step"], color="red", linestyle=":", label="resumed")
     ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats)", title=title)

@@ -45,7 +45,11 @@ class Reporter:
         from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 
         with contextlib.ExitStack() as stack:
-            pipes = stack.enter_context(open_dagster_pipes()) if PipesEnvVarParamsLoader().is_dagster_pipes_process() else None
+            pipes = (
+                stack.enter_context(open_dagster_pipes())
+                if PipesEnvVarParamsLoader().is_dagster_pipes_process()
+                else None
+            )
             yield cls(rank, pipes, tracking_uri, run_id)
 
     def loggers(self) -> list[Logger]:
@@ -141,8 +145,15 @@ class TrainingHistory(L.Callback):
         self.train.append({"step": step, "loss": loss, "lr": lr})
         # ThroughputMonitor would report tokens/s only once its 100-batch window fills; "step" sets
         # the loggers' x-axis to the optimizer step (Lightning's default is one less here).
-        pl_module.log_dict({"train/loss": loss, "train/perplexity": math.exp(min(loss, MAX_LOG_PPL_LOSS)),
-                            "train/lr": lr, "train/tokens_per_s": self.tokens_per_s(step), "step": float(step)})
+        pl_module.log_dict(
+            {
+                "train/loss": loss,
+                "train/perplexity": math.exp(min(loss, MAX_LOG_PPL_LOSS)),
+                "train/lr": lr,
+                "train/tokens_per_s": self.tokens_per_s(step),
+                "step": float(step),
+            }
+        )
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:

@@ -60,19 +60,27 @@ class RunConfig(Settings):
     """Base of the trainers' configs: batch sizes, topology, the job's time limit."""
 
     micro_batch_size: int = Field(default=8, ge=1, description="Samples per process per forward/backward.")
-    global_batch_size: int = Field(default=256, ge=1, description=(
-        "Samples per optimizer step over all processes (gradient accumulation fills the gap)."))
+    global_batch_size: int = Field(
+        default=256,
+        ge=1,
+        description=("Samples per optimizer step over all processes (gradient accumulation fills the gap)."),
+    )
     num_nodes: int = run_field(1, "Nodes (local launcher: torchrun agents on 127.0.0.1).", ge=1)
     nproc_per_node: int = run_field(1, "Processes (devices) per node.", ge=1)
     timeout_s: int = run_field(24 * 3600, "The whole training job's time limit; raise it and rerun to resume.", ge=1)
     # What each node asks of a cluster (the k8s launcher's pod resources; the local launcher ignores them).
     gpus_per_node: int = run_field(0, "GPUs each node's pod requests (nvidia.com/gpu); 0: a CPU pod.", ge=0)
-    gpu_type: str | None = run_field(None, "GPU product the pods must land on (a node selector on the launcher's "
-                                           "gpu_node_label, e.g. 'NVIDIA-H100-80GB-HBM3').")
-    cpu_per_node: str | None = run_field(None, "CPU each node's pod requests and is limited to ('8', '500m').",
-                                         pattern=QUANTITY)
-    memory_per_node: str | None = run_field(None, "Memory each node's pod requests and is limited to ('64Gi').",
-                                            pattern=QUANTITY)
+    gpu_type: str | None = run_field(
+        None,
+        "GPU product the pods must land on (a node selector on the launcher's "
+        "gpu_node_label, e.g. 'NVIDIA-H100-80GB-HBM3').",
+    )
+    cpu_per_node: str | None = run_field(
+        None, "CPU each node's pod requests and is limited to ('8', '500m').", pattern=QUANTITY
+    )
+    memory_per_node: str | None = run_field(
+        None, "Memory each node's pod requests and is limited to ('64Gi').", pattern=QUANTITY
+    )
 
     @model_validator(mode="after")
     def _batch_fits_the_world(self) -> Self:
@@ -81,11 +89,21 @@ class RunConfig(Settings):
 
     def launch_spec(self, module: str, args: tuple[str, ...], name: str) -> LaunchSpec:
         """The distributed job that trains this config: topology, time limit and per-node resources."""
-        resources = {"nvidia.com/gpu": str(self.gpus_per_node) if self.gpus_per_node else None,
-                     "cpu": self.cpu_per_node, "memory": self.memory_per_node, "gpu_type": self.gpu_type}
-        return LaunchSpec(module, args, num_nodes=self.num_nodes, nproc_per_node=self.nproc_per_node,
-                          timeout_s=self.timeout_s, name=name,
-                          resources={k: v for k, v in resources.items() if v is not None})
+        resources = {
+            "nvidia.com/gpu": str(self.gpus_per_node) if self.gpus_per_node else None,
+            "cpu": self.cpu_per_node,
+            "memory": self.memory_per_node,
+            "gpu_type": self.gpu_type,
+        }
+        return LaunchSpec(
+            module,
+            args,
+            num_nodes=self.num_nodes,
+            nproc_per_node=self.nproc_per_node,
+            timeout_s=self.timeout_s,
+            name=name,
+            resources={k: v for k, v in resources.items() if v is not None},
+        )
 
     def accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step so that ``global_batch_size`` samples make one step."""
@@ -108,7 +126,9 @@ class RunPaths(BaseModel):
     cache_dir: str = Field(description="Per-run local scratch (streaming cache, staging); never shared by two runs.")
     checkpoint_store: dict[str, Any] = Field(description="vlm_assets.storage spec of the checkpoint store.")
     checkpoint_prefix: str = Field(description="Checkpoints live under <prefix>/step-<N>; a relaunch resumes there.")
-    mlflow_tracking_uri: str | None = Field(default=None, description="Rank 0 logs metrics to this run when both are set.")
+    mlflow_tracking_uri: str | None = Field(
+        default=None, description="Rank 0 logs metrics to this run when both are set."
+    )
     mlflow_run_id: str | None = None
 
     def input(self, name: str) -> str:
@@ -119,8 +139,9 @@ class RunPaths(BaseModel):
 
 def write_run_file(path: Path, config: RunConfig, paths: RunPaths) -> None:
     """The JSON every process of a launch reads: ``{"config": ..., "paths": ...}``."""
-    path.write_text(json.dumps({"config": config.model_dump(mode="json"), "paths": paths.model_dump(mode="json")},
-                               indent=1))
+    path.write_text(
+        json.dumps({"config": config.model_dump(mode="json"), "paths": paths.model_dump(mode="json")}, indent=1)
+    )
 
 
 def read_run_file(path: Path, config_type: type[C]) -> tuple[C, RunPaths]:

@@ -12,43 +12,75 @@ GPT_DECODER = "gpt_checkpoint"
 
 
 class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
-    micro_batch_size: int = run_field(2, "Rows per process per forward/backward (a row is one sample, or several "
-                                         "when packing).", ge=1)
+    micro_batch_size: int = run_field(
+        2, "Rows per process per forward/backward (a row is one sample, or several when packing).", ge=1
+    )
     global_batch_size: int = Field(default=8, ge=1, description="Rows per optimizer step over all processes.")
-    zero_stage: int = Field(default=2, description="DeepSpeed ZeRO stage: 2 (optimizer + gradients sharded) or 3 "
-                                                   "(parameters too).")
+    zero_stage: int = Field(
+        default=2, description="DeepSpeed ZeRO stage: 2 (optimizer + gradients sharded) or 3 (parameters too)."
+    )
     lora_r: int = Field(default=8, ge=1, description="LoRA rank on the decoder's linear layers.")
     lora_alpha: int = Field(default=16, ge=1, description="LoRA scale numerator (scale = alpha / r).")
-    lora_dropout: float = Field(default=0.0, ge=0, lt=1, description=(
-        "LoRA dropout. 0 keeps a resumed run bit-exact (no random state to carry across processes)."))
+    lora_dropout: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description=("LoRA dropout. 0 keeps a resumed run bit-exact (no random state to carry across processes)."),
+    )
     lora_encoder: bool = Field(default=False, description="Also put LoRA on the vision encoder's linear layers.")
-    freeze_modules: list[str] = Field(default=["encoder", "decoder"], description=(
-        "Modules whose weights stay fixed: encoder, projection, decoder (its base weights), lora."))
+    freeze_modules: list[str] = Field(
+        default=["encoder", "decoder"],
+        description=("Modules whose weights stay fixed: encoder, projection, decoder (its base weights), lora."),
+    )
     lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate (linear warmup, then constant).")
     warmup_steps: int = Field(default=10, ge=0, description="Linear learning-rate warmup steps.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(default=1.0, ge=0, description="Gradient norm clip (0 disables).")
     max_steps: int = Field(default=200, ge=1, description="Optimizer steps.")
     seed: int = Field(default=0, description="Seeds the projection's init, LoRA's init and the data order.")
-    chat_datasets: dict[str, int | None] = Field(default={}, description=(
-        "Chat-messages JSONL files -> how many samples of each to blend in (null: all; more: repeated)."))
-    vqa_count: int | None = Field(default=None, ge=0, description=(
-        "Clean manifest images as VQA (the manifest's prompt -> class) to blend in (null: all)."))
-    pair_count: int = Field(default=0, ge=0, description=(
-        "Two-image, two-round conversations made from the manifests ('Which of these is a ...?')."))
-    phrasing_count: int = Field(default=0, ge=0, description=(
-        "Clean manifest images asked in other words ('What is shown?', 'Which item is this?', ...) -> class, so "
-        "the model answers a user's own phrasing, not only the manifest's prompt."))
+    chat_datasets: dict[str, int | None] = Field(
+        default={},
+        description=("Chat-messages JSONL files -> how many samples of each to blend in (null: all; more: repeated)."),
+    )
+    vqa_count: int | None = Field(
+        default=None,
+        ge=0,
+        description=("Clean manifest images as VQA (the manifest's prompt -> class) to blend in (null: all)."),
+    )
+    pair_count: int = Field(
+        default=0,
+        ge=0,
+        description=("Two-image, two-round conversations made from the manifests ('Which of these is a ...?')."),
+    )
+    phrasing_count: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Clean manifest images asked in other words ('What is shown?', 'Which item is this?', ...) -> class, so "
+            "the model answers a user's own phrasing, not only the manifest's prompt."
+        ),
+    )
     eval_fraction: float = Field(default=0.1, ge=0, lt=1, description="Share of the blended records held out.")
-    packing: bool = Field(default=False, description=(
-        "Pack samples first-fit into rows of pack_tokens (attention kept per sample, positions restart)."))
+    packing: bool = Field(
+        default=False,
+        description=("Pack samples first-fit into rows of pack_tokens (attention kept per sample, positions restart)."),
+    )
     pack_tokens: int = Field(default=1024, ge=16, description="Tokens per packed row.")
-    eval_images: int = Field(default=100, ge=0, description=(
-        "Held-out validation images of the manifests on which the merged model's VQA exact match is measured "
-        "(0: none)."))
-    cache_image_features: bool = run_field(False, (
-        "Keep each training image's encoder features after their first computation (frozen encoder only; "
-        "memory: images x tokens x width floats per process)."))
+    eval_images: int = Field(
+        default=100,
+        ge=0,
+        description=(
+            "Held-out validation images of the manifests on which the merged model's VQA exact match is measured "
+            "(0: none)."
+        ),
+    )
+    cache_image_features: bool = run_field(
+        False,
+        (
+            "Keep each training image's encoder features after their first computation (frozen encoder only; "
+            "memory: images x tokens x width floats per process)."
+        ),
+    )
     gradient_checkpointing: bool = run_field(False, "Recompute the decoder's activations in backward.")
     checkpoint_every: int = run_field(50, "Commit a checkpoint every this many optimizer steps (and at the end).", ge=1)
     log_every: int = run_field(10, "Report the train loss every this many steps.", ge=1)

@@ -49,19 +49,24 @@ def build_model(config: VisualChatTrainConfig) -> VisualChatModel:
     """The model to train: pretrained parts, projection at init, LoRA (zero at init) on the decoder, and
     ``requires_grad`` set by ``freeze_modules``. Deterministic in ``config.seed``."""
     from peft import LoraConfig, get_peft_model
-
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(config.seed)
     model = VisualChatModel.build(config)
     # GPT-2 stores its linear layers as Conv1D, (in, out): peft must be told (it warns and guesses otherwise).
     transposed = any(isinstance(m, Conv1D) for m in model.decoder.modules())
-    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules="all-linear", fan_in_fan_out=transposed)
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules="all-linear",
+        fan_in_fan_out=transposed,
+    )
     model.decoder = get_peft_model(model.decoder, lora)
     if config.lora_encoder:
-        model.encoder = get_peft_model(model.encoder, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha,
-                                                                 target_modules="all-linear"))
+        model.encoder = get_peft_model(
+            model.encoder, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, target_modules="all-linear")
+        )
     for name, param in model.named_parameters():
         module = "lora" if "lora_" in name else name.split(".")[0]
         param.requires_grad_(module not in config.freeze_modules)
@@ -74,14 +79,19 @@ def build_model(config: VisualChatTrainConfig) -> VisualChatModel:
 
 def build_samples(config: VisualChatTrainConfig, model: VisualChatModel, manifests: Path | None):
     """(train rows, eval samples): blended, split, rendered (bad records fail here, naming file:line), packed."""
-    datasets = [(vd.read_chat_jsonl(Path(path), config.max_images), count)
-                for path, count in sorted(config.chat_datasets.items())]
+    datasets = [
+        (vd.read_chat_jsonl(Path(path), config.max_images), count)
+        for path, count in sorted(config.chat_datasets.items())
+    ]
     if manifests is not None:
-        vqa = vd.manifest_records(manifests, "train", pairs=config.pair_count, phrased=config.phrasing_count,
-                                  seed=config.seed)
+        vqa = vd.manifest_records(
+            manifests, "train", pairs=config.pair_count, phrased=config.phrasing_count, seed=config.seed
+        )
         phrased = len(vqa) - config.phrasing_count  # the phrased records come last
-        datasets += [([r for r in vqa[:phrased] if len(r.images) == 1], config.vqa_count),
-                     ([r for r in vqa[:phrased] if len(r.images) == 2] + vqa[phrased:], None)]
+        datasets += [
+            ([r for r in vqa[:phrased] if len(r.images) == 1], config.vqa_count),
+            ([r for r in vqa[:phrased] if len(r.images) == 2] + vqa[phrased:], None),
+        ]
     records = vd.blend(datasets, config.seed)
     if not records:
         raise ValueError("no training data: set chat_datasets, or give the occlusion manifests with vqa_count > 0")
@@ -106,13 +116,17 @@ def build_samples(config: VisualChatTrainConfig, model: VisualChatModel, manifes
 
 def deepspeed_config(config: VisualChatTrainConfig, world: int) -> dict:
     cuda = torch.cuda.is_available()
-    return {"train_micro_batch_size_per_gpu": config.micro_batch_size,
-            "gradient_accumulation_steps": config.accumulation(world),
-            "gradient_clipping": config.grad_clip, "zero_optimization": {"stage": config.zero_stage},
-            "bf16": {"enabled": cuda},
-            # a torch optimizer: DeepSpeed's own Adam builds a C++ op on first use (~1 min on CPU)
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+    return {
+        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        "gradient_accumulation_steps": config.accumulation(world),
+        "gradient_clipping": config.grad_clip,
+        "zero_optimization": {"stage": config.zero_stage},
+        "bf16": {"enabled": cuda},
+        # a torch optimizer: DeepSpeed's own Adam builds a C++ op on first use (~1 min on CPU)
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
 
 
 class RowOrder:
@@ -163,15 +177,22 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
     except (ValueError, FileNotFoundError) as err:  # a bad record or sample, named: every rank sees the same
         raise InputRefused(f"{type(err).__name__}: {err}") from None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    reporter.log(f"visualchat: {len(rows)} train rows, {len(evaluation)} eval samples; trains "
-                 f"{', '.join(config.trained_modules())}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} "
-                 f"parameters; ZeRO-{config.zero_stage}, {world} process(es)")
+    reporter.log(
+        f"visualchat: {len(rows)} train rows, {len(evaluation)} eval samples; trains "
+        f"{', '.join(config.trained_modules())}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} "
+        f"parameters; ZeRO-{config.zero_stage}, {world} process(es)"
+    )
     pad, size = model.tokenizer.pad_token_id, model.encoder.image_size
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (config.warmup_steps + 1)))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                           model_parameters=params, config=deepspeed_config(config, world))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=schedule,
+        model_parameters=params,
+        config=deepspeed_config(config, world),
+    )
     store = store_from_spec(paths.checkpoint_store)
     cache = Path(paths.cache_dir) / f"rank{rank}"
     committer = StoreCheckpointIO(store, paths.checkpoint_prefix, keep_last=2, log=reporter.log)
@@ -208,19 +229,34 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
         state["history"].append({"step": state["step"], "loss": float(step_loss) / world})
         if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
             for logger in loggers:
-                logger.log_metrics({"train/loss": state["history"][-1]["loss"],
-                                    "train/lr": schedule.get_last_lr()[0]}, step=state["step"])
+                logger.log_metrics(
+                    {"train/loss": state["history"][-1]["loss"], "train/lr": schedule.get_last_lr()[0]},
+                    step=state["step"],
+                )
         if state["step"] % config.checkpoint_every == 0 or state["step"] == config.max_steps:
             save_checkpoint(engine, state, cache, committer, rank)
     elapsed = time.perf_counter() - started
     dist.all_reduce(tokens)  # tokens that are not padding, over every rank, in this attempt's steps
     eval_loss = evaluate(engine, evaluation, pad, size)
-    export(engine, config, evaluation, rank, Path(paths.out_dir), reporter, manifests,
-           {"eval_loss": eval_loss, "baseline_eval_loss": state["baseline_eval_loss"], "steps": state["step"],
+    export(
+        engine,
+        config,
+        evaluation,
+        rank,
+        Path(paths.out_dir),
+        reporter,
+        manifests,
+        {
+            "eval_loss": eval_loss,
+            "baseline_eval_loss": state["baseline_eval_loss"],
+            "steps": state["step"],
             "tokens_per_s": float(tokens) / elapsed if state["step"] > start_step else 0.0,
-            "train_loss": state["history"][-1]["loss"], "trainable_parameters": trainable,
-            "resumed_from_step": -1 if state["resumed_from_step"] is None else state["resumed_from_step"]},
-           state["history"])
+            "train_loss": state["history"][-1]["loss"],
+            "trainable_parameters": trainable,
+            "resumed_from_step": -1 if state["resumed_from_step"] is None else state["resumed_from_step"],
+        },
+        state["history"],
+    )
 
 
 def save_checkpoint(engine, state: dict, cache: Path, committer: StoreCheckpointIO, rank: int) -> None:
@@ -230,8 +266,9 @@ def save_checkpoint(engine, state: dict, cache: Path, committer: StoreCheckpoint
     dist.broadcast_object_list(local, src=0)
     tag = f"step-{state['step']:08d}"
     # Trained weights only: a frozen 7B decoder would make every checkpoint 14 GB, a LoRA one is megabytes.
-    engine.save_checkpoint(str(Path(local[0]) / tag), tag=tag, client_state={"visualchat": dict(state)},
-                           exclude_frozen_parameters=True)
+    engine.save_checkpoint(
+        str(Path(local[0]) / tag), tag=tag, client_state={"visualchat": dict(state)}, exclude_frozen_parameters=True
+    )
     dist.barrier()
     if rank == 0:
         committer.commit(Path(local[0]) / tag, state["step"], 0)
@@ -244,7 +281,7 @@ def evaluate(engine, samples: list[vd.Sample], pad: int, size: int) -> float:
     engine.eval()
     total, count = 0.0, 0
     for at in range(0, len(samples), EVAL_BATCH):
-        chunk = samples[at: at + EVAL_BATCH]
+        chunk = samples[at : at + EVAL_BATCH]
         batch = move_data_to_device(vd.collate([[s] for s in chunk], pad, size), engine.device)
         tokens = int((batch["labels"][:, 1:] != vd.IGNORE_INDEX).sum())
         total += float(engine(**batch).loss) * tokens
@@ -253,19 +290,32 @@ def evaluate(engine, samples: list[vd.Sample], pad: int, size: int) -> float:
     return total / max(count, 1)
 
 
-def export(engine, config: VisualChatTrainConfig, evaluation: list[vd.Sample], rank: int, out: Path,
-           reporter: Reporter, manifests: Path | None, metrics: dict, history: list[dict]) -> None:
+def export(
+    engine,
+    config: VisualChatTrainConfig,
+    evaluation: list[vd.Sample],
+    rank: int,
+    out: Path,
+    reporter: Reporter,
+    manifests: Path | None,
+    metrics: dict,
+    history: list[dict],
+) -> None:
     """Gather every weight on rank 0, merge LoRA into a CPU replica, check it against the unmerged one,
     save the merged model, and evaluate the saved model as a user loads it (``eval.json``)."""
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-        weights = {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()} if rank == 0 else None
+        weights = (
+            {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()} if rank == 0 else None
+        )
     if rank == 0:
         replica = build_model(config)
         replica.load_state_dict(weights)
         replica.eval()
-        batch = vd.collate([[s] for s in evaluation[:EVAL_BATCH]], replica.tokenizer.pad_token_id, replica.encoder.image_size)
+        batch = vd.collate(
+            [[s] for s in evaluation[:EVAL_BATCH]], replica.tokenizer.pad_token_id, replica.encoder.image_size
+        )
         batch.pop("labels")  # the logits at every position, not only the answers'
         with torch.no_grad():
             unmerged = replica(**batch).logits
@@ -294,12 +344,20 @@ def evaluate_export(model_dir: Path, manifests: Path, count: int, out: Path, rep
     result["conversation"] = two_image_conversation(model, manifests)
     out.write_text(json.dumps(result, indent=1))
     template, phrased = result["vqa"]["template"], result["vqa"]["held_out_phrasings"]
-    reporter.log(f"merged model: VQA exact match {template['exact_match']:.1%} on {template['num_images']} held-out "
-                 f"images (chance {result['chance']:.0%}); asked in held-out phrasings {phrased['exact_match']:.1%}")
-    return {"vqa_exact_match": template["exact_match"], "vqa_exact_match_ci95_low": template["ci95"][0],
-            "vqa_exact_match_ci95_high": template["ci95"][1], "vqa_chance": result["chance"],
-            "vqa_images": template["num_images"], "vqa_held_out_phrasings_exact_match": phrased["exact_match"],
-            "vqa_held_out_phrasings_ci95_low": phrased["ci95"][0], "vqa_held_out_phrasings_ci95_high": phrased["ci95"][1]}
+    reporter.log(
+        f"merged model: VQA exact match {template['exact_match']:.1%} on {template['num_images']} held-out "
+        f"images (chance {result['chance']:.0%}); asked in held-out phrasings {phrased['exact_match']:.1%}"
+    )
+    return {
+        "vqa_exact_match": template["exact_match"],
+        "vqa_exact_match_ci95_low": template["ci95"][0],
+        "vqa_exact_match_ci95_high": template["ci95"][1],
+        "vqa_chance": result["chance"],
+        "vqa_images": template["num_images"],
+        "vqa_held_out_phrasings_exact_match": phrased["exact_match"],
+        "vqa_held_out_phrasings_ci95_low": phrased["ci95"][0],
+        "vqa_held_out_phrasings_ci95_high": phrased["ci95"][1],
+    }
 
 
 if __name__ == "__main__":

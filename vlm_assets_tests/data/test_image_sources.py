@@ -13,7 +13,9 @@ from vlm_assets_tests.conftest import CIFAR10_CLASSES, real_cifar_images, serve_
 @pytest.fixture
 def cifar_tarball(tmp_path, offline_data) -> Path:
     images, labels = real_cifar_images(offline_data)
-    return write_cifar_tarball(tmp_path / "served" / "cifar-10-python.tar.gz", *_mkdir(tmp_path / "served", images, labels))
+    return write_cifar_tarball(
+        tmp_path / "served" / "cifar-10-python.tar.gz", *_mkdir(tmp_path / "served", images, labels)
+    )
 
 
 def _mkdir(path, *rest):
@@ -45,9 +47,9 @@ def test_cifar_tarball_downloaded_once_over_http_and_checksum_verified(cifar_tar
 
 
 def test_download_with_wrong_checksum_names_url_and_caches_nothing(cifar_tarball, tmp_path):
-    with serve_directory(cifar_tarball.parent) as (url, _):
-        with pytest.raises(ValueError, match=r"cifar-10-python.tar.gz: downloaded file has md5 .* expected 0+"):
-            fetch(f"{url}/cifar-10-python.tar.gz", tmp_path / "cache", md5="0" * 32)
+    wrong = r"cifar-10-python.tar.gz: downloaded file has md5 .* expected 0+"
+    with serve_directory(cifar_tarball.parent) as (url, _), pytest.raises(ValueError, match=wrong):
+        fetch(f"{url}/cifar-10-python.tar.gz", tmp_path / "cache", md5="0" * 32)
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
 
 
@@ -69,7 +71,7 @@ def test_tarball_missing_members_is_named(tmp_path):
 
 
 def test_truncated_idx_file_names_the_file(offline_data, tmp_path):
-    raw = gzip.open(offline_data / "fashion-mnist" / "t10k-images-idx3-ubyte.gz").read()
+    raw = gzip.decompress((offline_data / "fashion-mnist" / "t10k-images-idx3-ubyte.gz").read_bytes())
     bad = tmp_path / "t10k-images-idx3-ubyte.gz"
     bad.write_bytes(gzip.compress(raw[:-100]))
     with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte.gz: truncated idx file"):

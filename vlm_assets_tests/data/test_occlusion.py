@@ -18,8 +18,9 @@ def fmnist(offline_data):
 
 
 def _write(source, out, seed=7, num_train=300, num_validation=100):
-    return write_occlusion_manifests(source, out, num_train=num_train, num_validation=num_validation,
-                                     train_box=TRAIN, validation_box=EVAL, seed=seed)
+    return write_occlusion_manifests(
+        source, out, num_train=num_train, num_validation=num_validation, train_box=TRAIN, validation_box=EVAL, seed=seed
+    )
 
 
 def test_same_seed_gives_byte_identical_artifacts(fmnist, tmp_path):
@@ -36,15 +37,22 @@ def test_manifest_rows_are_balanced_and_complete(fmnist, tmp_path):
     rows = read_manifest(tmp_path / "train.jsonl")
     assert len(rows) == 300 and summary["splits"]["train"]["class_counts"] == [30] * 10
     row = rows[0]
-    assert row["prompt"].startswith("The image may be partially occluded. Answer with exactly one Fashion-MNIST class label: T-shirt/top, Trouser,")
+    assert row["prompt"].startswith(
+        "The image may be partially occluded. Answer with exactly one Fashion-MNIST class label: T-shirt/top, Trouser,"
+    )
     assert row["label"] == fmnist.class_names[row["label_index"]]
     src = int(row["origin"].split("#")[1])
     np.testing.assert_array_equal(np.load(tmp_path / row["image"])[row["index"]], fmnist.train.images[src])
 
 
 @settings(max_examples=200, deadline=None)
-@given(side_w=st.integers(8, 600), side_h=st.integers(8, 600), low=st.floats(0.05, 0.9), span=st.floats(0, 0.09),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    side_w=st.integers(8, 600),
+    side_h=st.integers(8, 600),
+    low=st.floats(0.05, 0.9),
+    span=st.floats(0, 0.09),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_boxes_stay_within_bounds_and_image(side_w, side_h, low, span, seed):
     bounds = BoxBounds(low, low + span)
     try:

@@ -55,8 +55,17 @@ def test_blocks_are_documents_joined_with_eos(tokenizer):
 def test_streaming_reads_back_exactly_the_tokens_written(tokenizer, shakespeare, tmp_path):
     train, val = split_documents(paragraphs_of_files(shakespeare), 0.05, seed=0)
     train = train[:3000]
-    summary = write_token_shards(tmp_path / "art", tokenizer, "gpt2", train, val, max_length=64,
-                                 max_train_samples=None, max_val_samples=50, size_limit=1 << 16)
+    summary = write_token_shards(
+        tmp_path / "art",
+        tokenizer,
+        "gpt2",
+        train,
+        val,
+        max_length=64,
+        max_train_samples=None,
+        max_val_samples=50,
+        size_limit=1 << 16,
+    )
     assert summary["splits"]["train"]["num_shards"] > 1  # the size limit really splits shards
     assert summary["splits"]["val"]["num_samples"] == 50
     expected = np.stack(list(pack_blocks(tokenizer, train, 64, None)))
@@ -94,8 +103,17 @@ def test_empty_corpus_and_bad_tokenizer_are_named(tmp_path):
 def test_checks_catch_bad_shards(tokenizer, shakespeare, tmp_path):
     train, val = split_documents(paragraphs_of_files(shakespeare), 0.05, seed=0)
     root = tmp_path / "art"
-    write_token_shards(root, tokenizer, "gpt2", train[:500], val, max_length=32, max_train_samples=None,
-                       max_val_samples=20, size_limit=1 << 14)
+    write_token_shards(
+        root,
+        tokenizer,
+        "gpt2",
+        train[:500],
+        val,
+        max_length=32,
+        max_train_samples=None,
+        max_val_samples=20,
+        size_limit=1 << 14,
+    )
     scanned = token_checks.scan(root)
     assert json.loads(json.dumps(scanned)) == scanned  # committed in the manifest as JSON
     assert token_checks.ids_within_vocab(scanned).passed

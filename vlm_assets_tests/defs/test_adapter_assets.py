@@ -24,23 +24,51 @@ from vlm_assets_tests.conftest import IsolatedEnv, kill_mid_training_and_relaunc
 
 pytestmark = pytest.mark.slow
 
-GRAPH = [occlusion_manifests, occlusion_adapter, adapter_training_complete, adapter_weights_finite, eval_report, adapter_accuracy_meets_threshold,
-         adapter_gain_significant, registered_adapter]
+GRAPH = [
+    occlusion_manifests,
+    occlusion_adapter,
+    adapter_training_complete,
+    adapter_weights_finite,
+    eval_report,
+    adapter_accuracy_meets_threshold,
+    adapter_gain_significant,
+    registered_adapter,
+]
 # The demo's recipe (6 weight-tied steps, reconstruction first, then the LM loss) at test size.
-ADAPTER = {"backbone": "tiny-clean", "clean_backbone_steps": 400, "image_size": 56, "epochs": 3, "lr": 1e-2,
-           "adapter_steps": 6, "reconstruction_warmup_epochs": 1, "reconstruction_loss_weight": 1.0,
-           "reconstruction_outside_box": True,
-           "micro_batch_size": 8, "global_batch_size": 16, "nproc_per_node": 2, "num_train": 480, "log_every": 10}
+ADAPTER = {
+    "backbone": "tiny-clean",
+    "clean_backbone_steps": 400,
+    "image_size": 56,
+    "epochs": 3,
+    "lr": 1e-2,
+    "adapter_steps": 6,
+    "reconstruction_warmup_epochs": 1,
+    "reconstruction_loss_weight": 1.0,
+    "reconstruction_outside_box": True,
+    "micro_batch_size": 8,
+    "global_batch_size": 16,
+    "nproc_per_node": 2,
+    "num_train": 480,
+    "log_every": 10,
+}
 
 
 def run_config(offline_data, adapter=None, report=None, min_accuracy=0.3):
-    return {"ops": {
-        "occlusion_manifests": {"config": {"source": "fashion_mnist", "source_uri": str(offline_data / "fashion-mnist"),
-                                           "num_train": 1000, "num_validation": 200}},
-        "occlusion_adapter": {"config": {**ADAPTER, **(adapter or {})}},
-        "eval_report": {"config": {"num_samples": 200, "batch_size": 50, "num_cards": 12, **(report or {})}},
-        "eval_report_adapter_accuracy_meets_threshold": {"config": {"min_accuracy": min_accuracy}},
-    }}
+    return {
+        "ops": {
+            "occlusion_manifests": {
+                "config": {
+                    "source": "fashion_mnist",
+                    "source_uri": str(offline_data / "fashion-mnist"),
+                    "num_train": 1000,
+                    "num_validation": 200,
+                }
+            },
+            "occlusion_adapter": {"config": {**ADAPTER, **(adapter or {})}},
+            "eval_report": {"config": {"num_samples": 200, "batch_size": 50, "num_cards": 12, **(report or {})}},
+            "eval_report_adapter_accuracy_meets_threshold": {"config": {"min_accuracy": min_accuracy}},
+        }
+    }
 
 
 def Env(root: Path) -> IsolatedEnv:
@@ -63,14 +91,20 @@ def test_adapter_helps_the_frozen_backbone_and_is_registered(pipeline):
     env, result = pipeline
     assert result.success
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
-    assert checks == {"adapter_training_complete": True, "adapter_weights_finite": True, "adapter_accuracy_meets_threshold": True,
-                      "adapter_gain_significant": True}
+    assert checks == {
+        "adapter_training_complete": True,
+        "adapter_weights_finite": True,
+        "adapter_accuracy_meets_threshold": True,
+        "adapter_gain_significant": True,
+    }
     report = meta(result, "eval_report")
     # The backbone knows the clean task; occlusion costs accuracy; the adapter wins part of it back,
     # beyond the evaluation's noise (the gate's own criterion).
     assert report["accuracy_clean"] > report["accuracy_identity"]
     assert report["adapter_gain"] >= 0.03 and report["adapter_gain_ci95_low"] > 0, report
-    print({k: report[k] for k in ("accuracy_clean", "accuracy_identity", "accuracy_adapter", "lenient_accuracy_adapter")})
+    print(
+        {k: report[k] for k in ("accuracy_clean", "accuracy_identity", "accuracy_adapter", "lenient_accuracy_adapter")}
+    )
     adapter = meta(result, "occlusion_adapter")
     assert adapter["epochs"] == 3 and np.isfinite(adapter["gate"])
 
@@ -82,7 +116,8 @@ def test_checkpoints_hold_only_the_adapter(pipeline):
     assert checkpoints, "no recovery checkpoint was committed"
     ckpt = torch.load(env.store.local_path(checkpoints[-1]) / "checkpoint.ckpt", weights_only=False)
     assert sorted(ckpt["state_dict"]) == ["adapter.gate"] + sorted(
-        f"adapter.net.{i}.{p}" for i in (0, 2, 4) for p in ("bias", "weight"))
+        f"adapter.net.{i}.{p}" for i in (0, 2, 4) for p in ("bias", "weight")
+    )
     assert (env.store.local_path(checkpoints[-1]) / "checkpoint.ckpt").stat().st_size < 1_000_000
     assert len(ckpt["callbacks"]["EpochHistory"]["epochs"]) == 3
     assert any(name.startswith("ModelCheckpoint") for name in ckpt["callbacks"])
@@ -147,8 +182,13 @@ def test_registry_is_the_truth_alias_mended_and_no_second_version(pipeline, offl
     # is a cache hit, and the adapter is registered again there.
     fresh = IsolatedEnv(env.root, GRAPH, f"sqlite:///{env.root / 'fresh-mlflow.db'}")
     reset = fresh.materialize(run_config(offline_data))
-    assert meta(reset, "occlusion_adapter")["cache"] == "hit" and meta(reset, "registered_adapter")["registry"] == "registered"
-    assert str(mlflow.MlflowClient(fresh.uri).get_model_version_by_alias("occlusion_adapter", "champion").version) == "1"
+    assert (
+        meta(reset, "occlusion_adapter")["cache"] == "hit"
+        and meta(reset, "registered_adapter")["registry"] == "registered"
+    )
+    assert (
+        str(mlflow.MlflowClient(fresh.uri).get_model_version_by_alias("occlusion_adapter", "champion").version) == "1"
+    )
 
 
 def test_registered_model_predicts_what_eval_report_predicted(pipeline):
@@ -159,7 +199,10 @@ def test_registered_model_predicts_what_eval_report_predicted(pipeline):
 
     env, first = pipeline
     manifests = env.store.local_path(meta(first, "occlusion_manifests")["cache_key"])
-    evaluated = [json.loads(line) for line in (Path(meta(first, "eval_report")["uri"]) / "predictions.jsonl").read_text().splitlines()]
+    evaluated = [
+        json.loads(line)
+        for line in (Path(meta(first, "eval_report")["uri"]) / "predictions.jsonl").read_text().splitlines()
+    ]
     rows = read_manifest(manifests / "validation.jsonl")[: len(evaluated)]
     images = ManifestImages(manifests)
     frame = pd.DataFrame({"image": [png_b64(images.get(r)) for r in rows], "box": [r["box"] for r in rows]})
@@ -184,8 +227,13 @@ def test_unreachable_registry_fails_naming_the_uri(pipeline, monkeypatch):
     uri = f"http://127.0.0.1:{free_port()}"
     (key,) = env.store.list_complete("occlusion_adapter")
     with pytest.raises(dg.Failure, match=f"MLflow at {uri} could not be reached"):
-        registered_adapter(dg.build_asset_context(), config=RegisteredAdapterConfig(), occlusion_adapter=env.store.ref(key),
-                           artifact_store=env.resources["artifact_store"], mlflow=MlflowTrackingResource(tracking_uri=uri))
+        registered_adapter(
+            dg.build_asset_context(),
+            config=RegisteredAdapterConfig(),
+            occlusion_adapter=env.store.ref(key),
+            artifact_store=env.resources["artifact_store"],
+            mlflow=MlflowTrackingResource(tracking_uri=uri),
+        )
 
 
 def test_raised_threshold_reruns_the_check_only_and_blocks_registration(pipeline, offline_data):
@@ -223,8 +271,11 @@ def test_killed_worker_resumes_from_the_last_recovery_checkpoint(pipeline, offli
     def kill_after_first_epoch():
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            committed = [p for p in env.root.glob("artifacts/checkpoints/occlusion_adapter/*/step-*/_COMPLETE.json")
-                         if str(p).split("occlusion_adapter/")[1].split("/")[0] not in killed.get("skip", ())]
+            committed = [
+                p
+                for p in env.root.glob("artifacts/checkpoints/occlusion_adapter/*/step-*/_COMPLETE.json")
+                if str(p).split("occlusion_adapter/")[1].split("/")[0] not in killed.get("skip", ())
+            ]
             fresh = [p for p in committed if p.stat().st_mtime > started]
             if fresh and (pids := _workers(str(env.root))):
                 killed["pid"] = max(pids)
@@ -257,8 +308,9 @@ def test_sigkill_of_the_dagster_process_ends_both_workers_and_the_relaunch_resum
     env, first = pipeline
     config = run_config(offline_data, adapter={"backbone": _backbone_dir(env)})
     config = {"ops": {k: v for k, v in config["ops"].items() if k in ("occlusion_manifests", "occlusion_adapter")}}
-    run = kill_mid_training_and_relaunch(tmp_path, "adapter_job", config, "occlusion_adapter",
-                                         checkpoints_before_kill=1, executor="multiprocess")
+    run = kill_mid_training_and_relaunch(
+        tmp_path, "adapter_job", config, "occlusion_adapter", checkpoints_before_kill=1, executor="multiprocess"
+    )
     adapter = run.materialization("occlusion_adapter")
     assert adapter["resumed_from_epoch"] in (1, 2) and adapter["epochs"] == 3  # after 1 or 2 epochs
     resumed = json.loads((Path(adapter["uri"]) / "history.json").read_text())["epochs"]
@@ -274,8 +326,9 @@ def test_bad_input_fails_at_once_naming_the_row_or_field(pipeline, offline_data,
     result = env.materialize(run_config(offline_data, adapter={"backbone": str(missing)}), raise_on_error=False)
     assert f"config field backbone: directory {missing} does not exist" in _failure(result)
 
-    result = env.materialize(run_config(offline_data, adapter={"backbone": _backbone_dir(env), "max_length": 20}),
-                             raise_on_error=False)
+    result = env.materialize(
+        run_config(offline_data, adapter={"backbone": _backbone_dir(env), "max_length": 20}), raise_on_error=False
+    )
     assert re.search(r"train\.jsonl:1: prompt \+ answer is \d+ tokens .* longer than max_length 20", _failure(result))
 
 
@@ -288,7 +341,7 @@ def _failure(result) -> str:
 def test_bad_manifest_rows_are_named(pipeline, tmp_path):
     import shutil
 
-    from vlm_assets.train.adapter_module import OcclusionSamples
+    from vlm_assets.data.occlusion_dataset import OcclusionSamples
 
     env, first = pipeline
     root = tmp_path / "m"
@@ -314,8 +367,9 @@ def test_training_changes_only_the_adapter(pipeline, tmp_path):
     import lightning as L
     from torch.utils.data import DataLoader
 
+    from vlm_assets.data.occlusion_dataset import OcclusionSamples, collate
     from vlm_assets.train.adapter_config import AdapterTrainConfig
-    from vlm_assets.train.adapter_module import AdapterModule, OcclusionSamples, collate
+    from vlm_assets.train.adapter_module import AdapterModule
 
     env, first = pipeline
     manifests = env.store.local_path(meta(first, "occlusion_manifests")["cache_key"])
@@ -323,8 +377,15 @@ def test_training_changes_only_the_adapter(pipeline, tmp_path):
     module.configure_model()
     backbone_before = {k: v.clone() for k, v in module.backbone.state_dict().items()}
     adapter_before = {k: v.clone() for k, v in module.adapter.state_dict().items()}
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(OcclusionSamples(manifests, "train", 56, 24), batch_size=8, collate_fn=collate))
     assert all(torch.equal(v, backbone_before[k]) for k, v in module.backbone.state_dict().items())
     assert not module.backbone.model.training  # kept in eval mode while the adapter trained
@@ -357,9 +418,13 @@ def test_training_that_fails_for_good_materializes_a_partial_that_blocks(pipelin
     killer = threading.Thread(target=kill_every_attempt_after_a_checkpoint)
     killer.start()
     try:
-        result = env.materialize(run_config(offline_data, adapter={"backbone": _backbone_dir(env), "epochs": 4,
-                                                                   "materialize_partial_on_failure": True}),
-                                 raise_on_error=False)
+        result = env.materialize(
+            run_config(
+                offline_data,
+                adapter={"backbone": _backbone_dir(env), "epochs": 4, "materialize_partial_on_failure": True},
+            ),
+            raise_on_error=False,
+        )
     finally:
         done.set()
         killer.join()

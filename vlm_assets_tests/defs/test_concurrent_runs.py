@@ -17,9 +17,24 @@ CONFIG = json.dumps({"ops": {"token_shards": {"config": {"max_length": 4}}}})
 
 def _launch(env: dict[str, str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "vlm_assets.definitions",
-         "--select", "token_shards", "--config-json", CONFIG],
-        cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "dagster",
+            "asset",
+            "materialize",
+            "-m",
+            "vlm_assets.definitions",
+            "--select",
+            "token_shards",
+            "--config-json",
+            CONFIG,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:
@@ -52,8 +67,14 @@ def _two_runs(tmp_path: Path, env: dict[str, str], lease_visible) -> tuple[str, 
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {**os.environ, "VLM_ASSETS_HOME": str(tmp_path / "home"), "DAGSTER_HOME": str(tmp_path / "dagster"),
-           "VLM_ASSETS_PROFILE": "demo", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **extra}
+    env = {
+        **os.environ,
+        "VLM_ASSETS_HOME": str(tmp_path / "home"),
+        "DAGSTER_HOME": str(tmp_path / "dagster"),
+        "VLM_ASSETS_PROFILE": "demo",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        **extra,
+    }
     return env
 
 
@@ -70,8 +91,13 @@ def test_two_runs_of_one_key_on_the_local_store(tmp_path, offline_data):
 @pytest.mark.slow
 def test_two_runs_of_one_key_on_s3(tmp_path, offline_data, s3_bucket, s3_endpoint):
     client, bucket = s3_bucket
-    env = _env(tmp_path, VLM_ASSETS_STORE="s3", VLM_ASSETS_S3_BUCKET=bucket, VLM_ASSETS_S3_PREFIX="team",
-               AWS_ENDPOINT_URL=s3_endpoint)
+    env = _env(
+        tmp_path,
+        VLM_ASSETS_STORE="s3",
+        VLM_ASSETS_S3_BUCKET=bucket,
+        VLM_ASSETS_S3_PREFIX="team",
+        AWS_ENDPOINT_URL=s3_endpoint,
+    )
 
     def keys(prefix):
         return [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]

@@ -22,21 +22,37 @@ from vlm_assets.defs.data.token_assets import (
 )
 from vlm_assets_tests.conftest import CIFAR10_CLASSES, real_cifar_images, serve_directory, write_cifar_tarball
 
-OCCLUSION = [occlusion_manifests, boxes_within_configured_bounds, counts_match_config,
-             every_class_present_and_balanced, every_image_readable]
+OCCLUSION = [
+    occlusion_manifests,
+    boxes_within_configured_bounds,
+    counts_match_config,
+    every_class_present_and_balanced,
+    every_image_readable,
+]
 TOKENS = [token_shards, token_ids_within_vocab, token_counts_match_summary, every_shard_readable]
 
 
 def fmnist_config(offline_data, **overrides):
-    config = {"source": "fashion_mnist", "source_uri": str(offline_data / "fashion-mnist"),
-              "num_train": 200, "num_validation": 50, **overrides}
+    config = {
+        "source": "fashion_mnist",
+        "source_uri": str(offline_data / "fashion-mnist"),
+        "num_train": 200,
+        "num_validation": 50,
+        **overrides,
+    }
     return {"ops": {"occlusion_manifests": {"config": config}}}
 
 
 def tokens_config(offline_data, **overrides):
-    config = {"source": "text_files", "text_glob": str(offline_data / "shakespeare" / "*.txt"),
-              "tokenizer": str(offline_data / "gpt2-tokenizer"), "max_length": 128,
-              "max_train_samples": 400, "max_val_samples": 40, **overrides}
+    config = {
+        "source": "text_files",
+        "text_glob": str(offline_data / "shakespeare" / "*.txt"),
+        "tokenizer": str(offline_data / "gpt2-tokenizer"),
+        "max_length": 128,
+        "max_train_samples": 400,
+        "max_val_samples": 40,
+        **overrides,
+    }
     return {"ops": {"token_shards": {"config": config}}}
 
 
@@ -85,7 +101,9 @@ def test_manifests_memoized_and_tracked(embedded, offline_data, mlflow_uri):
     assert materialization(recomputed).metadata["cache"].value == "miss"
     # same inputs, new code: a new key, but identical content keeps the data version
     assert materialization(recomputed).metadata["cache_key"].value != meta["cache_key"].value
-    assert materialization(recomputed).tags["dagster/data_version"] == materialization(first).tags["dagster/data_version"]
+    assert (
+        materialization(recomputed).tags["dagster/data_version"] == materialization(first).tags["dagster/data_version"]
+    )
 
 
 def test_cifar_tarball_over_http_and_a_failing_balance_check(embedded, offline_data, tmp_path):
@@ -95,14 +113,19 @@ def test_cifar_tarball_over_http_and_a_failing_balance_check(embedded, offline_d
     tarball = write_cifar_tarball(served / "cifar-10-python.tar.gz", images, labels)
     with serve_directory(served) as (url, requests):
         config = {"source": "cifar10", "source_uri": f"{url}/cifar-10-python.tar.gz", "source_md5": md5_file(tarball)}
-        result = embedded.materialize(OCCLUSION, {"ops": {"occlusion_manifests": {"config": config}}},
-                                      raise_on_error=False)
+        result = embedded.materialize(
+            OCCLUSION, {"ops": {"occlusion_manifests": {"config": config}}}, raise_on_error=False
+        )
     assert requests == ["/cifar-10-python.tar.gz"]
     assert materialization(result).metadata["dataset"].value == "CIFAR-10"
     passed = checks_passed(result)
     # the 20 real images hold no bird (2) and no deer (4): the balance check must fail, the rest pass
-    assert passed == {"boxes_within_configured_bounds": True, "counts_match_config": True,
-                      "every_class_present_and_balanced": False, "every_image_readable": True}
+    assert passed == {
+        "boxes_within_configured_bounds": True,
+        "counts_match_config": True,
+        "every_class_present_and_balanced": False,
+        "every_image_readable": True,
+    }
     failed = next(e for e in result.get_asset_check_evaluations() if not e.passed)
     assert "classes [2, 4] have no images" in failed.description
 
@@ -147,21 +170,36 @@ def test_checks_guard_a_cached_artifact_that_was_damaged(embedded, offline_data)
     second = embedded.materialize(OCCLUSION, fmnist_config(offline_data), raise_on_error=False)
     assert materialization(second).metadata["cache"].value == "hit"
     # two rows fewer keeps every class within the 10 % balance tolerance: that check still passes
-    assert checks_passed(second) == {"boxes_within_configured_bounds": False, "counts_match_config": False,
-                                     "every_class_present_and_balanced": True, "every_image_readable": False}
+    assert checks_passed(second) == {
+        "boxes_within_configured_bounds": False,
+        "counts_match_config": False,
+        "every_class_present_and_balanced": True,
+        "every_image_readable": False,
+    }
     # the cheap size check on the hit found the damage, so the checks read the content again
     sources = {e.metadata["scan"].value for e in second.get_asset_check_evaluations()}
-    assert sources == {"full scan (images/validation.npy: listed in the manifest but missing; "
-                       f"train.jsonl: {manifest.stat().st_size} bytes, the manifest says "
-                       f"{embedded.store.read_manifest(materialization(first).metadata['cache_key'].value).files['train.jsonl']['size']})"}
+    assert sources == {
+        "full scan (images/validation.npy: listed in the manifest but missing; "
+        f"train.jsonl: {manifest.stat().st_size} bytes, the manifest says "
+        f"{embedded.store.read_manifest(materialization(first).metadata['cache_key'].value).files['train.jsonl']['size']})"
+    }
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"train_box_min": 0.5, "train_box_max": 0.4}, "config of OcclusionManifestsConfig: train_box_min/train_box_max: box fractions must satisfy"),
-    ({"num_train": 0}, "config of OcclusionManifestsConfig: field num_train: Input should be greater than or equal to 1"),
-    ({"num_train": 70000}, "num_train=70000 exceeds the 60000 images"),
-    ({"source_uri": "/nonexistent/fmnist"}, "/nonexistent/fmnist: no such file or directory"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            {"train_box_min": 0.5, "train_box_max": 0.4},
+            "config of OcclusionManifestsConfig: train_box_min/train_box_max: box fractions must satisfy",
+        ),
+        (
+            {"num_train": 0},
+            "config of OcclusionManifestsConfig: field num_train: Input should be greater than or equal to 1",
+        ),
+        ({"num_train": 70000}, "num_train=70000 exceeds the 60000 images"),
+        ({"source_uri": "/nonexistent/fmnist"}, "/nonexistent/fmnist: no such file or directory"),
+    ],
+)
 def test_bad_manifest_config_fails_clearly_and_leaves_no_artifact(embedded, offline_data, overrides, message):
     result = embedded.materialize(OCCLUSION, fmnist_config(offline_data, **overrides), raise_on_error=False)
     assert not result.success
@@ -169,7 +207,9 @@ def test_bad_manifest_config_fails_clearly_and_leaves_no_artifact(embedded, offl
     assert not list((embedded.tmp_path / "artifacts").glob("occlusion_manifests/*"))
 
 
-def test_truncated_tarball_fails_naming_it_and_marks_the_mlflow_run_failed(embedded, offline_data, tmp_path, mlflow_uri):
+def test_truncated_tarball_fails_naming_it_and_marks_the_mlflow_run_failed(
+    embedded, offline_data, tmp_path, mlflow_uri
+):
     images, labels = real_cifar_images(offline_data)
     tarball = write_cifar_tarball(tmp_path / "c.tar.gz", images, labels)
     tarball.write_bytes(tarball.read_bytes()[:3000])
@@ -179,7 +219,8 @@ def test_truncated_tarball_fails_naming_it_and_marks_the_mlflow_run_failed(embed
     assert not list((embedded.tmp_path / "artifacts").glob("occlusion_manifests/*"))
     runs = MlflowClient(mlflow_uri).search_runs(
         [MlflowClient(mlflow_uri).get_experiment_by_name("vlm_assets").experiment_id],
-        filter_string=f"tags.`dagster.run_id` = '{result.run_id}'")
+        filter_string=f"tags.`dagster.run_id` = '{result.run_id}'",
+    )
     assert [r.info.status for r in runs] == ["FAILED"]
 
 
@@ -193,16 +234,23 @@ def test_token_shards_asset_and_checks(embedded, offline_data):
     # built: the checks judged the scan the build recorded; hit: the same scan after a size check
     for run in (result, again):
         assert {e.metadata["scan"].value for e in run.get_asset_check_evaluations()} == {
-            "recorded when built (file sizes verified)"}
+            "recorded when built (file sizes verified)"
+        }
     assert checks_passed(again) == checks_passed(result)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"text_glob": "/nonexistent/*.txt"}, "text corpus '/nonexistent/*.txt' matches no files"),
-    ({"tokenizer": "/nonexistent/tokenizer"}, "tokenizer '/nonexistent/tokenizer' cannot be loaded"),
-    ({"max_length": 1}, "config of TokenShardsConfig: field max_length: Input should be greater than or equal to 2"),
-    ({"max_length": 10_000_000}, "too short for one block"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"text_glob": "/nonexistent/*.txt"}, "text corpus '/nonexistent/*.txt' matches no files"),
+        ({"tokenizer": "/nonexistent/tokenizer"}, "tokenizer '/nonexistent/tokenizer' cannot be loaded"),
+        (
+            {"max_length": 1},
+            "config of TokenShardsConfig: field max_length: Input should be greater than or equal to 2",
+        ),
+        ({"max_length": 10_000_000}, "too short for one block"),
+    ],
+)
 def test_bad_token_input_fails_clearly_and_leaves_no_artifact(embedded, offline_data, overrides, message):
     result = embedded.materialize(TOKENS, tokens_config(offline_data, **overrides), raise_on_error=False)
     assert message in failure_message(result)
@@ -214,8 +262,9 @@ def test_token_shards_on_s3_stream_back(embedded, offline_data, s3_bucket, s3_en
     from vlm_assets.defs.platform.storage import S3ArtifactStoreResource
 
     _, bucket = s3_bucket
-    store = S3ArtifactStoreResource(bucket=bucket, prefix="vlm", cache_dir=str(tmp_path / "s3cache"),
-                                    endpoint_url=s3_endpoint)
+    store = S3ArtifactStoreResource(
+        bucket=bucket, prefix="vlm", cache_dir=str(tmp_path / "s3cache"), endpoint_url=s3_endpoint
+    )
     result = embedded.materialize(TOKENS, tokens_config(offline_data), artifact_store=store)
     assert all(checks_passed(result).values())
     ref = result.output_for_node("token_shards")

@@ -18,25 +18,50 @@ def test_definitions_snapshot():
     definitions = defs()
     graph = definitions.resolve_asset_graph()
     assert sorted(k.to_user_string() for k in definitions.resolve_all_asset_keys()) == [
-        "eval_report", "gpt_checkpoint", "occlusion_adapter", "occlusion_manifests", "registered_adapter",
-        "registered_visualchat", "token_shards", "visualchat_model"]
+        "eval_report",
+        "gpt_checkpoint",
+        "occlusion_adapter",
+        "occlusion_manifests",
+        "registered_adapter",
+        "registered_visualchat",
+        "token_shards",
+        "visualchat_model",
+    ]
     assert sorted(c.name for c in graph.asset_check_keys) == [
-        "adapter_accuracy_meets_threshold", "adapter_gain_significant", "adapter_training_complete",
+        "adapter_accuracy_meets_threshold",
+        "adapter_gain_significant",
+        "adapter_training_complete",
         "adapter_weights_finite",
-        "boxes_within_configured_bounds", "counts_match_config", "eval_loss_beats_untrained", "every_class_present_and_balanced",
-        "every_image_readable", "every_shard_readable", "export_reproduces_val_loss", "merged_equals_unmerged",
-        "token_counts_match_summary", "token_ids_within_vocab", "val_loss_beats_uniform", "vqa_exact_match_meets_threshold"]
+        "boxes_within_configured_bounds",
+        "counts_match_config",
+        "eval_loss_beats_untrained",
+        "every_class_present_and_balanced",
+        "every_image_readable",
+        "every_shard_readable",
+        "export_reproduces_val_loss",
+        "merged_equals_unmerged",
+        "token_counts_match_summary",
+        "token_ids_within_vocab",
+        "val_loss_beats_uniform",
+        "vqa_exact_match_meets_threshold",
+    ]
     assert all(spec.blocking for checks in definitions.asset_checks for spec in checks.check_specs)
     job = definitions.resolve_job_def("main_job")
     assert {n.name for n in job.nodes} >= {"occlusion_manifests", "token_shards", "gpt_checkpoint"}
     assert graph.get(dg.AssetKey("gpt_checkpoint")).parent_keys == {dg.AssetKey("token_shards")}
-    assert graph.get(dg.AssetKey("registered_adapter")).parent_keys == {dg.AssetKey("eval_report"),
-                                                                      dg.AssetKey("occlusion_adapter")}
+    assert graph.get(dg.AssetKey("registered_adapter")).parent_keys == {
+        dg.AssetKey("eval_report"),
+        dg.AssetKey("occlusion_adapter"),
+    }
     # The lineage: token_shards -> gpt_checkpoint -> visualchat_model (its decoder) -> occlusion_adapter (its backbone).
-    assert graph.get(dg.AssetKey("visualchat_model")).parent_keys == {dg.AssetKey("gpt_checkpoint"),
-                                                                    dg.AssetKey("occlusion_manifests")}
-    assert graph.get(dg.AssetKey("occlusion_adapter")).parent_keys == {dg.AssetKey("visualchat_model"),
-                                                                     dg.AssetKey("occlusion_manifests")}
+    assert graph.get(dg.AssetKey("visualchat_model")).parent_keys == {
+        dg.AssetKey("gpt_checkpoint"),
+        dg.AssetKey("occlusion_manifests"),
+    }
+    assert graph.get(dg.AssetKey("occlusion_adapter")).parent_keys == {
+        dg.AssetKey("visualchat_model"),
+        dg.AssetKey("occlusion_manifests"),
+    }
     assert graph.get(dg.AssetKey("registered_visualchat")).parent_keys == {dg.AssetKey("visualchat_model")}
     assert definitions.resolve_schedule_def("main_schedule").cron_schedule == "0 3 * * *"
     assert set(definitions.resources) >= {"artifact_store", "mlflow", "launcher"}
@@ -52,11 +77,15 @@ def test_environment_switches(tmp_path, monkeypatch):
     k8s = resources_for({"VLM_ASSETS_LAUNCHER": "k8s"})["launcher"]
     assert k8s.namespace == "vlm-training" and k8s.mode == "pods"
     (bad_yaml := tmp_path / "launcher.yaml").write_text("namespace: t\npending_timeout_s: 0\n")
-    for bad, message in (({"VLM_ASSETS_STORE": "gcs"}, "expected 'local' or 's3'"),
-                         ({"VLM_ASSETS_STORE": "s3"}, "needs VLM_ASSETS_S3_BUCKET"),
-                         ({"VLM_ASSETS_LAUNCHER": "slurm"}, "expected 'local' or 'k8s'"),
-                         ({"VLM_ASSETS_LAUNCHER": "k8s", "VLM_ASSETS_K8S_CONFIG": str(bad_yaml)},
-                          f"{bad_yaml}: field pending_timeout_s: Input should be greater than or equal to 1")):
+    for bad, message in (
+        ({"VLM_ASSETS_STORE": "gcs"}, "expected 'local' or 's3'"),
+        ({"VLM_ASSETS_STORE": "s3"}, "needs VLM_ASSETS_S3_BUCKET"),
+        ({"VLM_ASSETS_LAUNCHER": "slurm"}, "expected 'local' or 'k8s'"),
+        (
+            {"VLM_ASSETS_LAUNCHER": "k8s", "VLM_ASSETS_K8S_CONFIG": str(bad_yaml)},
+            f"{bad_yaml}: field pending_timeout_s: Input should be greater than or equal to 1",
+        ),
+    ):
         try:
             resources_for(bad)
         except ValueError as err:
@@ -77,11 +106,17 @@ from vlm_assets.definitions import defs
 d = defs()
 asset_job = d.resolve_implicit_global_asset_job_def()  # what the UI's Materialize buttons run
 main = d.resolve_job_def("main_job")
-ops = lambda job: {{k: v.get("config") for k, v in job.run_config_schema.config_type.fields["ops"].default_value.items()}}
+def ops(job):
+    return {{k: v.get("config") for k, v in job.run_config_schema.config_type.fields["ops"].default_value.items()}}
 print(json.dumps({{"main": ops(main), "ui": ops(asset_job)}}))
 """
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "VLM_ASSETS_PROFILE": profile_name})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "VLM_ASSETS_PROFILE": profile_name},
+    )
 
 
 @pytest.mark.parametrize("name", ["demo", "seed"])
@@ -97,23 +132,34 @@ def test_ui_materialize_and_main_job_use_the_active_profile(name):
     assert ops["occlusion_manifests"]["source"] == ("fashion_mnist" if name == "demo" else "cifar10")
     assert ops["gpt_checkpoint"]["num_nodes"] == (2 if name == "demo" else 1)
     assert ops["eval_report_adapter_accuracy_meets_threshold"]["min_accuracy"] == (0.3 if name == "demo" else 0.5)
-    classes = {"occlusion_manifests": "OcclusionManifestsConfig", "token_shards": "TokenShardsConfig",
-               "gpt_checkpoint": "GPTCheckpointConfig", "occlusion_adapter": "OcclusionAdapterConfig",
-               "eval_report": "EvalReportConfig", "eval_report_adapter_accuracy_meets_threshold": "AccuracyCheckConfig",
-               "visualchat_model": "VisualChatAssetConfig",
-               "visualchat_model_vqa_exact_match_meets_threshold": "VQACheckConfig"}
+    classes = {
+        "occlusion_manifests": "OcclusionManifestsConfig",
+        "token_shards": "TokenShardsConfig",
+        "gpt_checkpoint": "GPTCheckpointConfig",
+        "occlusion_adapter": "OcclusionAdapterConfig",
+        "eval_report": "EvalReportConfig",
+        "eval_report_adapter_accuracy_meets_threshold": "AccuracyCheckConfig",
+        "visualchat_model": "VisualChatAssetConfig",
+        "visualchat_model_vqa_exact_match_meets_threshold": "VQACheckConfig",
+    }
     for op, cls in classes.items():
         for field, value in profile_defaults(name).get(cls, {}).items():
             assert ops[op][field] == value, (op, field)
 
 
 def test_a_profile_value_a_field_rejects_fails_the_load_naming_it():
-    patch = ("import vlm_assets.defs.platform.profiles as p\n"
-             "real = p.profile_defaults\n"
-             "p.profile_defaults = lambda n: {**real(n), 'GPTCheckpointConfig': {**real(n)['GPTCheckpointConfig'], 'lr': -1.0}}")
+    patch = (
+        "import vlm_assets.defs.platform.profiles as p\n"
+        "real = p.profile_defaults\n"
+        "p.profile_defaults = lambda n: {**real(n),\n"
+        "    'GPTCheckpointConfig': {**real(n)['GPTCheckpointConfig'], 'lr': -1.0}}"
+    )
     proc = _defaults_in_a_fresh_process("demo", patch)
     assert proc.returncode != 0
-    assert "ValueError: profile 'demo': config of GPTCheckpointConfig: field lr: Input should be greater than 0" in proc.stderr
+    assert (
+        "ValueError: profile 'demo': config of GPTCheckpointConfig: field lr: Input should be greater than 0"
+        in proc.stderr
+    )
 
 
 def test_training_steps_share_one_pool_sized_by_the_instance(tmp_path):
@@ -121,9 +167,14 @@ def test_training_steps_share_one_pool_sized_by_the_instance(tmp_path):
     from vlm_assets.defs.platform.launcher import TRAINING_POOL
 
     definitions = defs()
-    pools = {k.to_user_string(): definitions.resolve_assets_def(k).op.pool for k in definitions.resolve_all_asset_keys()}
-    assert {k for k, pool in pools.items() if pool == TRAINING_POOL} == {"gpt_checkpoint", "occlusion_adapter",
-                                                                          "visualchat_model"}
+    pools = {
+        k.to_user_string(): definitions.resolve_assets_def(k).op.pool for k in definitions.resolve_all_asset_keys()
+    }
+    assert {k for k, pool in pools.items() if pool == TRAINING_POOL} == {
+        "gpt_checkpoint",
+        "occlusion_adapter",
+        "visualchat_model",
+    }
     assert {pool for k, pool in pools.items() if pool != TRAINING_POOL} == {None}
     (tmp_path / "dagster.yaml").write_text((Path(__file__).resolve().parents[2] / "dagster.yaml").read_text())
     instance = dg.DagsterInstance.from_config(str(tmp_path))
@@ -146,5 +197,8 @@ def test_a_training_pool_of_size_0_fails_the_load_naming_the_setting(tmp_path, m
         causes.append(err)
         err = err.__cause__
     assert "environment.py (error)" in str(failure.value)
-    assert any(isinstance(e, ValueError) and "pool 'vlm_training' has limit 0 (dagster.yaml "
-               "concurrency.pools.default_limit" in str(e) for e in causes)
+    assert any(
+        isinstance(e, ValueError)
+        and "pool 'vlm_training' has limit 0 (dagster.yaml concurrency.pools.default_limit" in str(e)
+        for e in causes
+    )

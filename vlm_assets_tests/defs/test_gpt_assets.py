@@ -31,14 +31,32 @@ GRAPH = [token_shards, gpt_checkpoint, val_loss_beats_uniform, export_reproduces
 UNIFORM = math.log(50257)
 MAX_STEPS = 30
 # Two micro-batches of 2 per process and step (gradient accumulation 2 at world size 2).
-GPT = {"preset": "tiny", "strategy": "ddp", "num_nodes": 2, "nproc_per_node": 1, "micro_batch_size": 2,
-       "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "max_steps": MAX_STEPS, "val_check_interval": 10,
-       "val_batches": 4, "checkpoint_every": 6, "keep_last": 2, "log_every": 5}
+GPT = {
+    "preset": "tiny",
+    "strategy": "ddp",
+    "num_nodes": 2,
+    "nproc_per_node": 1,
+    "micro_batch_size": 2,
+    "global_batch_size": 8,
+    "lr": 3e-3,
+    "warmup_steps": 5,
+    "max_steps": MAX_STEPS,
+    "val_check_interval": 10,
+    "val_batches": 4,
+    "checkpoint_every": 6,
+    "keep_last": 2,
+    "log_every": 5,
+}
 
 
 def run_config(offline_data, **gpt):
-    tokens = {"source": "text_files", "text_glob": str(offline_data / "shakespeare" / "*.txt"),
-              "tokenizer": str(offline_data / "gpt2-tokenizer"), "max_length": 64, "max_val_samples": 64}
+    tokens = {
+        "source": "text_files",
+        "text_glob": str(offline_data / "shakespeare" / "*.txt"),
+        "tokenizer": str(offline_data / "gpt2-tokenizer"),
+        "max_length": 64,
+        "max_val_samples": 64,
+    }
     return {"ops": {"token_shards": {"config": tokens}, "gpt_checkpoint": {"config": {**GPT, **gpt}}}}
 
 
@@ -83,8 +101,9 @@ def test_two_nodes_ddp_trains_well_below_uniform(ddp_run, mlflow_uri):
     assert [m.step for m in client.get_metric_history(meta["mlflow_run_id"], "train/loss")] == [5, 10, 15, 20, 25, 30]
     assert {10, 20, 30} <= {m.step for m in client.get_metric_history(meta["mlflow_run_id"], "val/loss")}
     # ModelCheckpoint decided the cadence; its state is in the checkpoint.
-    ckpt = torch.load(env.store.local_path(f"checkpoints/{meta['cache_key']}/step-00000030") / "checkpoint.ckpt",
-                      weights_only=False)
+    ckpt = torch.load(
+        env.store.local_path(f"checkpoints/{meta['cache_key']}/step-00000030") / "checkpoint.ckpt", weights_only=False
+    )
     assert any(name.startswith("StepCheckpoint") for name in ckpt["callbacks"])
     # The Pipes logger carried rank 0's metrics (the launcher tests cover every node's output, tagged).
     assert any(m.startswith("step 30: ") and " train/loss=" in m for m in env.first_log_messages)  # not stdout
@@ -98,8 +117,9 @@ def test_rerun_is_a_cache_hit(ddp_run, offline_data):
 
 def test_one_node_two_processes_fsdp2(tmp_path, offline_data, mlflow_uri):
     env = Env(tmp_path, mlflow_uri)
-    meta, checks = outcome(env.materialize(run_config(offline_data, strategy="fsdp2", num_nodes=1, nproc_per_node=2,
-                                                      checkpoint_every=15)))
+    meta, checks = outcome(
+        env.materialize(run_config(offline_data, strategy="fsdp2", num_nodes=1, nproc_per_node=2, checkpoint_every=15))
+    )
     assert meta["strategy"] == "fsdp2" and meta["steps"] == MAX_STEPS
     assert checks == {"val_loss_beats_uniform": True, "export_reproduces_val_loss": True}
     assert meta["val_loss"] < UNIFORM - 2.5
@@ -170,12 +190,25 @@ def test_damaged_checkpoint_is_skipped_for_the_previous_one_by_plain_torchrun(dd
     # The trainer itself, without Dagster: resumes from step 24 and ends at the same loss.
     (shards_key,) = env.store.list_complete("token_shards")
     shards = env.store.local_path(shards_key)
-    paths = RunPaths(inputs={"token_shards": str(shards)}, out_dir=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"),
-                     checkpoint_store=env.resources["artifact_store"].spec(), checkpoint_prefix=prefix)
+    paths = RunPaths(
+        inputs={"token_shards": str(shards)},
+        out_dir=str(tmp_path / "out"),
+        cache_dir=str(tmp_path / "cache"),
+        checkpoint_store=env.resources["artifact_store"].spec(),
+        checkpoint_prefix=prefix,
+    )
     write_run_file(tmp_path / "run.json", PretrainConfig(**GPT), paths)
     lines = []
-    run_local(LaunchSpec("vlm_assets.train.gpt_pretrain", ("--config", str(tmp_path / "run.json")), num_nodes=2,
-                         env={"OMP_NUM_THREADS": "1"}, timeout_s=300), on_line=lines.append)
+    run_local(
+        LaunchSpec(
+            "vlm_assets.train.gpt_pretrain",
+            ("--config", str(tmp_path / "run.json")),
+            num_nodes=2,
+            env={"OMP_NUM_THREADS": "1"},
+            timeout_s=300,
+        ),
+        on_line=lines.append,
+    )
     assert any("skipping damaged checkpoint" in line and "step-00000030" in line for line in lines)
     resumed = json.loads((tmp_path / "out" / "history.json").read_text())
     assert resumed["resumed_from_step"] == 24
@@ -228,8 +261,14 @@ def test_sigkill_of_the_dagster_process_ends_its_workers_and_the_relaunch_resume
     while GPT trains at 2 nodes x 1 process: no agent or worker survives, nothing is
     committed after it; the relaunch marks the dead run failed (Dagster) and KILLED (MLflow), resumes
     from the last checkpoint and ends on the uninterrupted loss."""
-    run = kill_mid_training_and_relaunch(tmp_path, "gpt_job", run_config(offline_data), "gpt_checkpoint",
-                                         checkpoints_before_kill=2, executor="in_process")
+    run = kill_mid_training_and_relaunch(
+        tmp_path,
+        "gpt_job",
+        run_config(offline_data),
+        "gpt_checkpoint",
+        checkpoints_before_kill=2,
+        executor="in_process",
+    )
     meta = run.materialization("gpt_checkpoint")
     assert meta["resumed_from_step"] == int(run.at_kill[-1].split("-")[1])
     assert meta["cache_key"] == ddp_run[2]["cache_key"] and meta["steps"] == MAX_STEPS
@@ -260,10 +299,16 @@ def k8s_launcher_env(tmp_path: Path, k8s_testbed, namespace: str) -> dict[str, s
     """The environment that selects the k8s launcher, set up for the loopback testbed."""
     from vlm_assets.launch.local import free_port
 
-    launcher = {"namespace": namespace, "kubeconfig": str(k8s_testbed.kubeconfig), "python": sys.executable,
-                # pod DNS names do not resolve on the testbed: the rendezvous is on loopback
-                "rendezvous_host": "127.0.0.1", "rendezvous_port": free_port(), "pending_timeout_s": 60,
-                "env": {"OMP_NUM_THREADS": "1", "VLM_ASSETS_NODES_SHARE_HOST": "1"}}
+    launcher = {
+        "namespace": namespace,
+        "kubeconfig": str(k8s_testbed.kubeconfig),
+        "python": sys.executable,
+        # pod DNS names do not resolve on the testbed: the rendezvous is on loopback
+        "rendezvous_host": "127.0.0.1",
+        "rendezvous_port": free_port(),
+        "pending_timeout_s": 60,
+        "env": {"OMP_NUM_THREADS": "1", "VLM_ASSETS_NODES_SHARE_HOST": "1"},
+    }
     (tmp_path / "launcher.yaml").write_text(json.dumps(launcher))
     return {"VLM_ASSETS_LAUNCHER": "k8s", "VLM_ASSETS_K8S_CONFIG": str(tmp_path / "launcher.yaml")}
 
@@ -274,13 +319,30 @@ def _k8s_job(tmp_path: Path, k8s_testbed, namespace: str, offline_data, **gpt) -
     repo = Path(__file__).resolve().parents[2]
     (tmp_path / "dagster").mkdir()
     (tmp_path / "dagster" / "dagster.yaml").write_text((repo / "dagster.yaml").read_text())
-    env = {**os.environ, "VLM_ASSETS_HOME": str(tmp_path / "home"), "DAGSTER_HOME": str(tmp_path / "dagster"),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "VLM_ASSETS_PROFILE": "seed",
-           **k8s_launcher_env(tmp_path, k8s_testbed, namespace)}
-    (tmp_path / "run_config.yaml").write_text(json.dumps(
-        {**run_config(offline_data, **gpt), "execution": {"config": {"in_process": {}}}}))
-    command = [sys.executable, "-m", "dagster", "job", "execute", "-m", "vlm_assets.definitions", "-j", "gpt_job",
-               "-c", str(tmp_path / "run_config.yaml")]
+    env = {
+        **os.environ,
+        "VLM_ASSETS_HOME": str(tmp_path / "home"),
+        "DAGSTER_HOME": str(tmp_path / "dagster"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "VLM_ASSETS_PROFILE": "seed",
+        **k8s_launcher_env(tmp_path, k8s_testbed, namespace),
+    }
+    (tmp_path / "run_config.yaml").write_text(
+        json.dumps({**run_config(offline_data, **gpt), "execution": {"config": {"in_process": {}}}})
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "dagster",
+        "job",
+        "execute",
+        "-m",
+        "vlm_assets.definitions",
+        "-j",
+        "gpt_job",
+        "-c",
+        str(tmp_path / "run_config.yaml"),
+    ]
     return command, env, tmp_path / "home" / "artifacts" / "checkpoints" / "gpt_checkpoint"
 
 
@@ -299,7 +361,8 @@ def _pod_processes(node_index: int) -> list[int]:
 
 
 def test_k8s_launcher_trains_on_pods_and_a_killed_pod_is_retried_from_the_last_checkpoint(
-        ddp_run, tmp_path, offline_data, k8s_testbed, namespace):
+    ddp_run, tmp_path, offline_data, k8s_testbed, namespace
+):
     """gpt_job through the real API server at 2 pods x 1 process: pod 1 is killed after the first
     checkpoint; the step fails naming the pod and its exit code, every pod and the Service are
     deleted, Dagster's retry resumes from the last committed checkpoint, rank 0's Pipes metadata comes
@@ -310,7 +373,9 @@ def test_k8s_launcher_trains_on_pods_and_a_killed_pod_is_retried_from_the_last_c
     with open(tmp_path / "job.log", "w") as log:
         job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 400
-        while not list(checkpoints.glob("*/step-*/_COMPLETE.json")) and job.poll() is None and time.monotonic() < deadline:
+        while (
+            not list(checkpoints.glob("*/step-*/_COMPLETE.json")) and job.poll() is None and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
         at_kill = sorted(p.parent.name for p in checkpoints.glob("*/step-*/_COMPLETE.json"))
         pods = _pod_processes(1)
@@ -328,19 +393,21 @@ def test_k8s_launcher_trains_on_pods_and_a_killed_pod_is_retried_from_the_last_c
     assert meta["val_loss"] == pytest.approx(ddp_run[2]["val_loss"], abs=1e-5)  # through Pipes, from rank 0
 
 
-
 def test_k8s_launcher_more_gpus_than_a_node_has_fails_once_with_the_schedulers_reason(
-        tmp_path, offline_data, mlflow_uri, k8s_testbed, namespace):
+    tmp_path, offline_data, mlflow_uri, k8s_testbed, namespace
+):
     """gpus_per_node (asset config) beyond every node's 8: the pods stay Pending; after the pending
     timeout the step fails with the scheduler's reason, without retries (a retry cannot fit either),
     and nothing is left in the namespace (the fixture checks)."""
     from vlm_assets.defs.platform.launcher import K8sTorchrunLauncher
 
     env = Env(tmp_path, mlflow_uri)
-    env.resources["launcher"] = K8sTorchrunLauncher(namespace=namespace, kubeconfig=str(k8s_testbed.kubeconfig),
-                                                    python=sys.executable, pending_timeout_s=5)
-    result = env.materialize(run_config(offline_data, gpus_per_node=16, gpu_type="NVIDIA-H100-80GB-HBM3"),
-                             raise_on_error=False)
+    env.resources["launcher"] = K8sTorchrunLauncher(
+        namespace=namespace, kubeconfig=str(k8s_testbed.kubeconfig), python=sys.executable, pending_timeout_s=5
+    )
+    result = env.materialize(
+        run_config(offline_data, gpus_per_node=16, gpu_type="NVIDIA-H100-80GB-HBM3"), raise_on_error=False
+    )
     assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     message = failure.step_failure_data.error.message + str(failure.step_failure_data.user_failure_data.metadata)

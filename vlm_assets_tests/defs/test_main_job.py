@@ -17,7 +17,11 @@ def _execute(env) -> tuple[str, float]:
     started = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "dagster", "job", "execute", "-m", "vlm_assets.definitions", "-j", "main_job"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout + proc.stderr, time.perf_counter() - started
@@ -25,8 +29,12 @@ def _execute(env) -> tuple[str, float]:
 
 @pytest.mark.slow
 def test_main_job_materializes_the_graph_then_hits_the_cache(tmp_path, offline_data):
-    env = {**os.environ, "VLM_ASSETS_HOME": str(tmp_path / "home"), "DAGSTER_HOME": str(tmp_path / "dagster"),
-           "VLM_ASSETS_PROFILE": "demo"}
+    env = {
+        **os.environ,
+        "VLM_ASSETS_HOME": str(tmp_path / "home"),
+        "DAGSTER_HOME": str(tmp_path / "dagster"),
+        "VLM_ASSETS_PROFILE": "demo",
+    }
     env.pop("MLFLOW_TRACKING_URI", None)
     (tmp_path / "dagster").mkdir()
     (tmp_path / "dagster" / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
@@ -34,17 +42,29 @@ def test_main_job_materializes_the_graph_then_hits_the_cache(tmp_path, offline_d
     first, _ = _execute(env)
     assert "RUN_SUCCESS" in first
     assert len(re.findall(r"ASSET_CHECK_EVALUATION - Asset check '\w+' on '\w+' passed", first)) == 16
-    artifacts = sorted(p.parent.relative_to(tmp_path / "home" / "artifacts").as_posix()
-                       for p in (tmp_path / "home" / "artifacts").glob("*/*/_COMPLETE.json"))
+    artifacts = sorted(
+        p.parent.relative_to(tmp_path / "home" / "artifacts").as_posix()
+        for p in (tmp_path / "home" / "artifacts").glob("*/*/_COMPLETE.json")
+    )
     # registered_adapter keeps no artifact of its own: the MLflow registry is its record.
-    assert [a.split("/")[0] for a in artifacts] == ["eval_report", "gpt_checkpoint", "occlusion_adapter",
-                                                    "occlusion_manifests", "token_shards", "visualchat_model"]
-    assert "occlusion_adapter@champion -> v1 (registered)" in first and "visualchat@champion -> v1 (registered)" in first
+    assert [a.split("/")[0] for a in artifacts] == [
+        "eval_report",
+        "gpt_checkpoint",
+        "occlusion_adapter",
+        "occlusion_manifests",
+        "token_shards",
+        "visualchat_model",
+    ]
+    assert (
+        "occlusion_adapter@champion -> v1 (registered)" in first and "visualchat@champion -> v1 (registered)" in first
+    )
     # The lineage: the GPT export is VisualChat's decoder, and the merged VisualChat model the adapter's backbone.
     home = tmp_path / "home" / "artifacts"
     (visualchat,) = [a for a in artifacts if a.startswith("visualchat_model/")]
     (gpt,) = [a for a in artifacts if a.startswith("gpt_checkpoint/")]
-    assert json.loads((home / visualchat / "_COMPLETE.json").read_text())["metadata"]["metadata"]["decoder"] == str(home / gpt / "hf")
+    assert json.loads((home / visualchat / "_COMPLETE.json").read_text())["metadata"]["metadata"]["decoder"] == str(
+        home / gpt / "hf"
+    )
     (adapter,) = [a for a in artifacts if a.startswith("occlusion_adapter/")]
     assert json.loads((home / adapter / "backbone.json").read_text())["backbone"] == str(home / visualchat / "model")
     # The adapter earns its gate: on every validation image, its paired gain's 95 % interval is above 0.

@@ -57,10 +57,15 @@ class Dev:
     pods: object  # () -> names of the pods in the training namespace (k8s launcher)
 
     def launch(self) -> str:
-        params = {"selector": {"repositoryLocationName": "vlm_assets", "repositoryName": "__repository__",
-                               "jobName": "__ASSET_JOB",
-                               "assetSelection": [{"path": ["token_shards"]}, {"path": ["gpt_checkpoint"]}]},
-                  "runConfigData": self.run_config}
+        params = {
+            "selector": {
+                "repositoryLocationName": "vlm_assets",
+                "repositoryName": "__repository__",
+                "jobName": "__ASSET_JOB",
+                "assetSelection": [{"path": ["token_shards"]}, {"path": ["gpt_checkpoint"]}],
+            },
+            "runConfigData": self.run_config,
+        }
         launched = _graphql(self.url, LAUNCH, params=params)["launchRun"]
         assert launched["__typename"] == "LaunchRunSuccess", launched
         return launched["run"]["runId"]
@@ -72,14 +77,22 @@ class Dev:
         """Worker pids, once ``checkpoints`` more checkpoints than now are committed while they train."""
         folder = self.home / "artifacts" / "checkpoints" / "gpt_checkpoint"
         target = len(list(folder.glob("*/step-*/_COMPLETE.json"))) + checkpoints
-        return _wait(lambda: len(list(folder.glob("*/step-*/_COMPLETE.json"))) >= target and training_workers(
-            "vlm_assets.train.gpt_pretrain", str(self.home)), 240, "training with a committed checkpoint")
+        return _wait(
+            lambda: (
+                len(list(folder.glob("*/step-*/_COMPLETE.json"))) >= target
+                and training_workers("vlm_assets.train.gpt_pretrain", str(self.home))
+            ),
+            240,
+            "training with a committed checkpoint",
+        )
 
     def mlflow_statuses(self, run_id: str) -> list[str]:
         """Statuses of the MLflow runs of gpt_checkpoint in the Dagster run ``run_id``."""
         client = MlflowClient(self.mlflow_uri)
-        runs = client.search_runs([client.get_experiment_by_name("vlm_assets").experiment_id], filter_string=(
-            f"tags.`dagster.asset` = 'gpt_checkpoint' and tags.`dagster.run_id` = '{run_id}'"))
+        runs = client.search_runs(
+            [client.get_experiment_by_name("vlm_assets").experiment_id],
+            filter_string=(f"tags.`dagster.asset` = 'gpt_checkpoint' and tags.`dagster.run_id` = '{run_id}'"),
+        )
         return [r.info.status for r in runs]
 
 
@@ -90,8 +103,12 @@ def dev(request, tmp_path_factory, offline_data):
     (tmp_path / "dagster" / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     MlflowClient(mlflow_uri).search_experiments()
-    env = {**os.environ, "VLM_ASSETS_HOME": str(tmp_path / "home"), "DAGSTER_HOME": str(tmp_path / "dagster"),
-           "MLFLOW_TRACKING_URI": mlflow_uri}
+    env = {
+        **os.environ,
+        "VLM_ASSETS_HOME": str(tmp_path / "home"),
+        "DAGSTER_HOME": str(tmp_path / "dagster"),
+        "MLFLOW_TRACKING_URI": mlflow_uri,
+    }
     pods, namespace = (lambda: []), None
     if request.param == "k8s":
         from kubernetes import client
@@ -109,10 +126,17 @@ def dev(request, tmp_path_factory, offline_data):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "dev.log", "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "dagster", "dev", "-w", "workspace.yaml", "-h", "127.0.0.1",
-                                   "-p", str(port)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True, preexec_fn=default_signals)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "dagster", "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=default_signals,
+        )
     try:
+
         def up():
             try:
                 return requests.get(f"{url}/server_info", timeout=2).ok
@@ -120,8 +144,15 @@ def dev(request, tmp_path_factory, offline_data):
                 return False
 
         _wait(up, 120, "the webserver")
-        yield Dev(url, tmp_path / "home", tmp_path / "dagster", mlflow_uri, run_config(offline_data, max_steps=400),
-                  request.param, pods)
+        yield Dev(
+            url,
+            tmp_path / "home",
+            tmp_path / "dagster",
+            mlflow_uri,
+            run_config(offline_data, max_steps=400),
+            request.param,
+            pods,
+        )
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -173,9 +204,14 @@ def test_a_sigkilled_run_worker_ends_its_workers_and_the_run_fails(dev):
     # The step's MLflow run, which no code of the killed step could end, is ended by the sensor.
     _wait(lambda: dev.mlflow_statuses(run_id) == ["KILLED"], 90, "the MLflow run to be ended KILLED")
     with dg.DagsterInstance.from_config(str(dev.dagster_home)) as instance:
-        reports = instance.get_records_for_run(run_id, of_type={
-            dg.DagsterEventType.STEP_FAILURE, dg.DagsterEventType.STEP_UP_FOR_RETRY,
-            dg.DagsterEventType.STEP_SUCCESS}).records
+        reports = instance.get_records_for_run(
+            run_id,
+            of_type={
+                dg.DagsterEventType.STEP_FAILURE,
+                dg.DagsterEventType.STEP_UP_FOR_RETRY,
+                dg.DagsterEventType.STEP_SUCCESS,
+            },
+        ).records
         reports = [r for r in reports if r.event_log_entry.step_key == "gpt_checkpoint"]
     # The step process died with the run worker: a step that lived on would report its launch
     # failing once its pods were deleted (and end the MLflow run FAILED over the sensor's KILLED).

@@ -28,21 +28,51 @@ from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
 
 pytestmark = pytest.mark.slow
 
-GRAPH = [occlusion_manifests, visualchat_model, eval_loss_beats_untrained, vqa_exact_match_meets_threshold,
-         merged_equals_unmerged, registered_visualchat]
+GRAPH = [
+    occlusion_manifests,
+    visualchat_model,
+    eval_loss_beats_untrained,
+    vqa_exact_match_meets_threshold,
+    merged_equals_unmerged,
+    registered_visualchat,
+]
 
 
 def run_config(offline_data: Path, models: Path, visualchat=None, min_exact_match=0.0) -> dict:
-    return {"ops": {
-        "occlusion_manifests": {"config": {"source": "fashion_mnist", "source_uri": str(offline_data / "fashion-mnist"),
-                                           "num_train": 60, "num_validation": 20}},
-        "visualchat_model": {"config": {
-            "encoder_kind": "clip", "encoder": str(models / "clip"), "decoder": str(models / "gpt2"), "projection": "mlp",
-            "max_steps": 4, "pair_count": 8, "micro_batch_size": 2, "global_batch_size": 4, "nproc_per_node": 2,
-            "lr": 3e-3, "warmup_steps": 1, "max_length": 256, "eval_images": 8, "checkpoint_every": 2, "log_every": 2,
-            "timeout_s": 600, **(visualchat or {})}},
-        "visualchat_model_vqa_exact_match_meets_threshold": {"config": {"min_exact_match": min_exact_match}},
-    }}
+    return {
+        "ops": {
+            "occlusion_manifests": {
+                "config": {
+                    "source": "fashion_mnist",
+                    "source_uri": str(offline_data / "fashion-mnist"),
+                    "num_train": 60,
+                    "num_validation": 20,
+                }
+            },
+            "visualchat_model": {
+                "config": {
+                    "encoder_kind": "clip",
+                    "encoder": str(models / "clip"),
+                    "decoder": str(models / "gpt2"),
+                    "projection": "mlp",
+                    "max_steps": 4,
+                    "pair_count": 8,
+                    "micro_batch_size": 2,
+                    "global_batch_size": 4,
+                    "nproc_per_node": 2,
+                    "lr": 3e-3,
+                    "warmup_steps": 1,
+                    "max_length": 256,
+                    "eval_images": 8,
+                    "checkpoint_every": 2,
+                    "log_every": 2,
+                    "timeout_s": 600,
+                    **(visualchat or {}),
+                }
+            },
+            "visualchat_model_vqa_exact_match_meets_threshold": {"config": {"min_exact_match": min_exact_match}},
+        }
+    }
 
 
 def meta(result, asset):
@@ -70,8 +100,11 @@ def test_trains_merges_evaluates_and_registers(pipeline):
     env, result = pipeline
     assert result.success
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
-    assert checks == {"eval_loss_beats_untrained": True, "vqa_exact_match_meets_threshold": True,
-                      "merged_equals_unmerged": True}
+    assert checks == {
+        "eval_loss_beats_untrained": True,
+        "vqa_exact_match_meets_threshold": True,
+        "merged_equals_unmerged": True,
+    }
     model = meta(result, "visualchat_model")
     assert model["cache"] == "miss" and model["steps"] == 4 and model["vqa_images"] == 8 and model["vqa_chance"] == 0.1
     assert model["merge_max_abs_diff"] < 1e-4 and model["eval_loss"] < model["baseline_eval_loss"]
@@ -97,8 +130,14 @@ def test_the_registered_model_answers_through_mlflow_and_the_chat_cli(pipeline, 
     env, _ = pipeline
     mlflow.set_tracking_uri(env.uri)
     model = mlflow.pyfunc.load_model("models:/visualchat@champion")
-    answers = model.predict(pd.DataFrame({"question": ["What is shown?", "Which one is a Bag?"],
-                                          "images": [[example_png()], [example_png(), example_png()]]}))
+    answers = model.predict(
+        pd.DataFrame(
+            {
+                "question": ["What is shown?", "Which one is a Bag?"],
+                "images": [[example_png()], [example_png(), example_png()]],
+            }
+        )
+    )
     assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
     directory = resolve_model("models:/visualchat@champion")
     assert (directory / "visualchat.json").is_file() and (directory / "decoder" / "config.json").is_file()
@@ -125,13 +164,18 @@ def test_the_chat_cli_the_registered_pyfunc_and_the_eval_answer_a_png_file_alike
     question = "What is this?"
     mlflow.set_tracking_uri(env.uri)
     pyfunc = mlflow.pyfunc.load_model("models:/visualchat@champion").predict(
-        pd.DataFrame({"question": [question], "images": [[base64.b64encode(png.read_bytes()).decode()]]}))[0]
+        pd.DataFrame({"question": [question], "images": [[base64.b64encode(png.read_bytes()).decode()]]})
+    )[0]
     directory = resolve_model("models:/visualchat@champion")
     messages = [{"role": "user", "content": [{"type": "image", "image": str(png)}, {"type": "text", "text": question}]}]
     evaluated = answer(VisualChatModel.from_pretrained(directory), messages, [str(png)])  # 8 new tokens, as the pyfunc
-    cli = subprocess.run([sys.executable, "-m", "vlm_assets.chat", str(directory), "--max-new-tokens", "8"],
-                         input=f"/image {png}\n{question}\n",
-                         capture_output=True, text=True, timeout=300)
+    cli = subprocess.run(
+        [sys.executable, "-m", "vlm_assets.chat", str(directory), "--max-new-tokens", "8"],
+        input=f"/image {png}\n{question}\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     # What the CLI streamed after its one "visualchat> ", up to its next prompt (an answer may hold newlines).
     turns = cli.stdout.split("visualchat> ")
     assert len(turns) == 2, cli.stdout + cli.stderr[-2000:]
@@ -159,22 +203,38 @@ def _failure(result) -> str:
 def test_bad_input_fails_at_once_naming_the_file_line_or_field(pipeline, offline_data, models, tmp_path):
     env, _ = pipeline
     missing = tmp_path / "nope.jsonl"
-    result = env.materialize(run_config(offline_data, models, {"chat_datasets": {str(missing): None}}), raise_on_error=False)
+    result = env.materialize(
+        run_config(offline_data, models, {"chat_datasets": {str(missing): None}}), raise_on_error=False
+    )
     assert f"config field chat_datasets: {missing} does not exist" in _failure(result)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
-                   + "\n" + json.dumps({"messages": [{"role": "robot", "content": "hi"}]}) + "\n")
-    result = env.materialize(run_config(offline_data, models, {"chat_datasets": {str(bad): None}}), raise_on_error=False)
+    bad.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+        + "\n"
+        + json.dumps({"messages": [{"role": "robot", "content": "hi"}]})
+        + "\n"
+    )
+    result = env.materialize(
+        run_config(offline_data, models, {"chat_datasets": {str(bad): None}}), raise_on_error=False
+    )
     assert f"{bad}:2: unknown role 'robot'" in _failure(result)
     long = tmp_path / "long.jsonl"  # found by the trainer (it needs the tokenizer): no retry either
-    long.write_text(json.dumps({"messages": [{"role": "user", "content": "word " * 400},
-                                             {"role": "assistant", "content": "ok"}]}) + "\n")
-    result = env.materialize(run_config(offline_data, models, {"chat_datasets": {str(long): None}}), raise_on_error=False)
-    assert re.search(rf"{re.escape(str(long))}:1: \d+ tokens .*more than max_length 256", _failure(result)), _failure(result)
+    long.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "ok"}]})
+        + "\n"
+    )
+    result = env.materialize(
+        run_config(offline_data, models, {"chat_datasets": {str(long): None}}), raise_on_error=False
+    )
+    assert re.search(rf"{re.escape(str(long))}:1: \d+ tokens .*more than max_length 256", _failure(result)), _failure(
+        result
+    )
     assert not [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]
     result = env.materialize(run_config(offline_data, models, {"zero_stage": 1}), raise_on_error=False)
     assert "field zero_stage: zero_stage 1 is not supported" in _failure(result)
-    result = env.materialize(run_config(offline_data, models, {"decoder": str(tmp_path / "no-decoder")}), raise_on_error=False)
+    result = env.materialize(
+        run_config(offline_data, models, {"decoder": str(tmp_path / "no-decoder")}), raise_on_error=False
+    )
     assert f"config field decoder: directory {tmp_path / 'no-decoder'} does not exist" in _failure(result)
 
 
@@ -184,17 +244,27 @@ def test_a_deps_upstream_is_read_from_this_run_before_a_newer_one_elsewhere(embe
     from vlm_assets.defs.platform.memo import upstream_ref
 
     def manifests(num_train):
-        return {"ops": {"occlusion_manifests": {"config": {
-            "source": "fashion_mnist", "source_uri": str(offline_data / "fashion-mnist"), "num_train": num_train,
-            "num_validation": 10}}}}
+        return {
+            "ops": {
+                "occlusion_manifests": {
+                    "config": {
+                        "source": "fashion_mnist",
+                        "source_uri": str(offline_data / "fashion-mnist"),
+                        "num_train": num_train,
+                        "num_validation": 10,
+                    }
+                }
+            }
+        }
 
     other = embedded.materialize([occlusion_manifests], manifests(20))
     other_key = meta(other, "occlusion_manifests")["cache_key"]
 
     @dg.asset(deps=[occlusion_manifests])
     def interloper(context: dg.AssetExecutionContext):  # another run's newer materialization, meanwhile
-        context.instance.report_runless_asset_event(dg.AssetMaterialization(
-            "occlusion_manifests", metadata={"cache_key": other_key}))
+        context.instance.report_runless_asset_event(
+            dg.AssetMaterialization("occlusion_manifests", metadata={"cache_key": other_key})
+        )
 
     @dg.asset(deps=[interloper])
     def reader(context: dg.AssetExecutionContext, artifact_store: ArtifactStoreResource) -> str:

@@ -35,9 +35,9 @@ def test_wilson_interval_refuses_impossible_counts(hits, total):
 def test_mcnemar_exact_p_is_the_two_sided_binomial():
     assert mcnemar_exact_p(0, 0) == 1.0
     assert mcnemar_exact_p(5, 5) == 1.0
-    assert mcnemar_exact_p(10, 0) == pytest.approx(2 / 2 ** 10)
+    assert mcnemar_exact_p(10, 0) == pytest.approx(2 / 2**10)
     # 15 wins, 5 losses: 2 * P(X <= 5), X ~ Binomial(20, 1/2) = 0.041389...
-    assert mcnemar_exact_p(15, 5) == pytest.approx(2 * sum(math.comb(20, i) for i in range(6)) / 2 ** 20)
+    assert mcnemar_exact_p(15, 5) == pytest.approx(2 * sum(math.comb(20, i) for i in range(6)) / 2**20)
     assert mcnemar_exact_p(15, 5) == mcnemar_exact_p(5, 15)
 
 
@@ -48,7 +48,7 @@ def test_paired_gain_interval_covers_the_truth_at_about_95_percent():
     covered = 0
     for trial in range(200):
         identity = rng.random(300) < 0.55
-        flip_up = (~identity) & (rng.random(300) < 0.5)     # wins where the identity is wrong
+        flip_up = (~identity) & (rng.random(300) < 0.5)  # wins where the identity is wrong
         flip_down = identity & (rng.random(300) < (0.45 * 0.5 - 0.05) / 0.55)  # losses, for a net +5 points
         adapter = (identity & ~flip_down) | flip_up
         gain = paired_gain(adapter, identity, resamples=2000, seed=trial)
@@ -63,7 +63,7 @@ def test_paired_gain_counts_and_is_deterministic():
     assert gain.gain == pytest.approx(0.2) and (gain.wins, gain.losses, gain.num_pairs) == (20, 0, 100)
     assert gain.ci95 == paired_gain(a, b).ci95  # seeded
     assert 0.1 < gain.ci95[0] < 0.2 < gain.ci95[1] < 0.3
-    assert gain.p_value == pytest.approx(2 / 2 ** 20)
+    assert gain.p_value == pytest.approx(2 / 2**20)
     with pytest.raises(ValueError, match="equal-length"):
         paired_gain([True], [True, False])
 
@@ -86,8 +86,8 @@ def _judge(check, config, ref) -> dg.AssetCheckResult:
 
 def test_gain_gate_refuses_a_useless_adapter_and_promotes_a_good_one():
     useless = _report(adapter_right=232, identity_right=234, both=220)  # -0.5 points
-    noisy = _report(adapter_right=240, identity_right=234, both=220)    # +1.5 points, inside the noise
-    good = _report(adapter_right=270, identity_right=234, both=225)     # +9 points
+    noisy = _report(adapter_right=240, identity_right=234, both=220)  # +1.5 points, inside the noise
+    good = _report(adapter_right=270, identity_right=234, both=225)  # +9 points
     assert not _judge(adapter_gain_significant, GainCheckConfig(), useless).passed
     assert not _judge(adapter_gain_significant, GainCheckConfig(), noisy).passed
     verdict = _judge(adapter_gain_significant, GainCheckConfig(), good)

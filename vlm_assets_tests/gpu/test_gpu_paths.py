@@ -22,9 +22,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 def test_gpt_on_nccl_in_bf16(strategy, tmp_path, offline_data, mlflow_uri):
     """The CPU twins: test_gpt_assets (DDP 2 nodes, FSDP2 2 processes on gloo)."""
     env = gpt_cpu.Env(tmp_path, mlflow_uri)
-    result = env.materialize(gpt_cpu.run_config(offline_data, strategy=strategy, num_nodes=1, nproc_per_node=GPUS,
-                                                micro_batch_size=8 // GPUS if 8 % GPUS == 0 else 1,
-                                                global_batch_size=8, checkpoint_every=15))
+    result = env.materialize(
+        gpt_cpu.run_config(
+            offline_data,
+            strategy=strategy,
+            num_nodes=1,
+            nproc_per_node=GPUS,
+            micro_batch_size=8 // GPUS if 8 % GPUS == 0 else 1,
+            global_batch_size=8,
+            checkpoint_every=15,
+        )
+    )
     meta, checks = gpt_cpu.outcome(result)
     assert meta["strategy"] == strategy and meta["steps"] == gpt_cpu.MAX_STEPS and meta["world_size"] == GPUS
     assert checks == {"val_loss_beats_uniform": True, "export_reproduces_val_loss": True}
@@ -37,8 +45,9 @@ def test_adapter_deepspeed_zero2_bf16(tmp_path, offline_data):
     """The CPU twin: test_adapter_assets (DDP on gloo, 2 processes). ``strategy: auto`` is ZeRO-2 on GPUs."""
     pytest.importorskip("deepspeed", reason="install the gpu extra: pip install -e '.[gpu]'")
     env = adapter_cpu.Env(tmp_path)
-    config = adapter_cpu.run_config(offline_data, adapter={"nproc_per_node": GPUS, "strategy": "auto",
-                                                           "micro_batch_size": 16 // GPUS})
+    config = adapter_cpu.run_config(
+        offline_data, adapter={"nproc_per_node": GPUS, "strategy": "auto", "micro_batch_size": 16 // GPUS}
+    )
     result = env.materialize(config)
     assert result.success
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}

@@ -14,8 +14,13 @@ def test_visualchat_deepspeed_bf16(stage, visualchat_inputs, tmp_path):
     """The CPU twins: test_visualchat_train (ZeRO-2 and ZeRO-3 on gloo, 2 processes, fp32)."""
     from vlm_assets_tests.train import test_visualchat_train as visualchat_cpu
 
-    config = visualchat_cpu.config(visualchat_inputs, zero_stage=stage, nproc_per_node=GPUS, micro_batch_size=4 // GPUS
-                                   if 4 % GPUS == 0 else 1, global_batch_size=4 if 4 % GPUS == 0 else GPUS)
+    config = visualchat_cpu.config(
+        visualchat_inputs,
+        zero_stage=stage,
+        nproc_per_node=GPUS,
+        micro_batch_size=4 // GPUS if 4 % GPUS == 0 else 1,
+        global_batch_size=4 if 4 % GPUS == 0 else GPUS,
+    )
     result = visualchat_cpu.train(visualchat_inputs, tmp_path, config)
     visualchat_cpu.check_trained_and_exported(result, tmp_path / "out", visualchat_inputs)
 

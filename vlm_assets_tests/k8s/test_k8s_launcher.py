@@ -23,11 +23,18 @@ RBAC = REPO / "deploy" / "k8s" / "rbac.yaml"
 def settings(namespace: str, kubeconfig: Path, **overrides) -> PodSettings:
     """The launcher as the tests run it: pods are local processes of the venv's python, so the
     rendezvous is on loopback (pod DNS names do not resolve on the testbed)."""
-    return PodSettings(**{
-        "namespace": namespace, "kubeconfig": str(kubeconfig), "python": sys.executable,
-        "rendezvous_host": "127.0.0.1", "rendezvous_port": free_port(), "pending_timeout_s": 20,
-        "env": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "VLM_ASSETS_NODES_SHARE_HOST": "1"},
-        **overrides})
+    return PodSettings(
+        **{
+            "namespace": namespace,
+            "kubeconfig": str(kubeconfig),
+            "python": sys.executable,
+            "rendezvous_host": "127.0.0.1",
+            "rendezvous_port": free_port(),
+            "pending_timeout_s": 20,
+            "env": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "VLM_ASSETS_NODES_SHARE_HOST": "1"},
+            **overrides,
+        }
+    )
 
 
 def collect():
@@ -47,7 +54,9 @@ def test_two_pods_rendezvous_and_their_logs_come_back_by_node(k8s_testbed, names
 
 def test_a_failing_pod_deletes_every_pod_and_names_itself(k8s_testbed, namespace):
     lines, on_line = collect()
-    spec = LaunchSpec(WORKER, ("--fail-rank", "1", "--hang"), num_nodes=2, nproc_per_node=1, timeout_s=180, name="fails")
+    spec = LaunchSpec(
+        WORKER, ("--fail-rank", "1", "--hang"), num_nodes=2, nproc_per_node=1, timeout_s=180, name="fails"
+    )
     with pytest.raises(LaunchFailed) as failure:
         run_k8s(spec, settings(namespace, k8s_testbed.kubeconfig), on_line)
     err = failure.value
@@ -69,11 +78,17 @@ def test_an_evicted_pod_fails_the_launch_with_the_reason(k8s_testbed, namespace)
     def evict_when_running():
         while not any(" sum " in line for _, line in lines):
             time.sleep(0.2)
-        pod = next(p for p in core.list_namespaced_pod(namespace).items
-                   if p.metadata.labels.get("vlm-assets/node-index") == "1")
+        pod = next(
+            p
+            for p in core.list_namespaced_pod(namespace).items
+            if p.metadata.labels.get("vlm-assets/node-index") == "1"
+        )
         # What the kubelet writes when it evicts a pod under node pressure.
-        core.patch_namespaced_pod_status(pod.metadata.name, namespace, {"status": {
-            "phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."}})
+        core.patch_namespaced_pod_status(
+            pod.metadata.name,
+            namespace,
+            {"status": {"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."}},
+        )
 
     threading.Thread(target=evict_when_running, daemon=True).start()
     with pytest.raises(LaunchFailed, match="Evicted: The node was low on resource: memory") as failure:
@@ -82,10 +97,13 @@ def test_an_evicted_pod_fails_the_launch_with_the_reason(k8s_testbed, namespace)
 
 
 def test_an_unschedulable_request_fails_after_the_pending_timeout_with_the_schedulers_reason(k8s_testbed, namespace):
-    spec = LaunchSpec(WORKER, num_nodes=2, nproc_per_node=1, timeout_s=180, name="too-big",
-                      resources={"nvidia.com/gpu": "16"})  # the testbed's nodes have 8 each
+    spec = LaunchSpec(
+        WORKER, num_nodes=2, nproc_per_node=1, timeout_s=180, name="too-big", resources={"nvidia.com/gpu": "16"}
+    )  # the testbed's nodes have 8 each
     started = time.monotonic()
-    with pytest.raises(LaunchFailed, match=r"Pending after 5 s: Unschedulable: 0/2 nodes are available: 2 Insufficient nvidia.com/gpu") as failure:
+    with pytest.raises(
+        LaunchFailed, match=r"Pending after 5 s: Unschedulable: 0/2 nodes are available: 2 Insufficient nvidia.com/gpu"
+    ) as failure:
         run_k8s(spec, settings(namespace, k8s_testbed.kubeconfig, pending_timeout_s=5), collect()[1])
     assert not failure.value.retryable
     assert time.monotonic() - started < 60
@@ -99,13 +117,19 @@ def _service_account_kubeconfig(k8s_testbed, namespace: str, role: dict, tmp_pat
     core, rbac = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api)
     core.create_namespaced_service_account(namespace, {"metadata": {"name": "launcher"}})
     rbac.create_namespaced_role(namespace, {**role, "metadata": {**role["metadata"], "namespace": namespace}})
-    rbac.create_namespaced_role_binding(namespace, {
-        "metadata": {"name": "launcher"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]},
-        "subjects": [{"kind": "ServiceAccount", "name": "launcher", "namespace": namespace}]})
+    rbac.create_namespaced_role_binding(
+        namespace,
+        {
+            "metadata": {"name": "launcher"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]},
+            "subjects": [{"kind": "ServiceAccount", "name": "launcher", "namespace": namespace}],
+        },
+    )
     token = None
     for _ in range(100):
-        secrets = [s for s in core.list_namespaced_secret(namespace).items if s.metadata.name.startswith("launcher-token")]
+        secrets = [
+            s for s in core.list_namespaced_secret(namespace).items if s.metadata.name.startswith("launcher-token")
+        ]
         if secrets:
             import base64
 
@@ -129,8 +153,11 @@ def shipped_role() -> dict:
 def test_the_shipped_role_is_all_the_launcher_needs(k8s_testbed, namespace, tmp_path):
     kubeconfig = _service_account_kubeconfig(k8s_testbed, namespace, shipped_role(), tmp_path)
     lines, on_line = collect()
-    run_k8s(LaunchSpec(WORKER, num_nodes=2, nproc_per_node=1, timeout_s=180, name="rbac"),
-            settings(namespace, kubeconfig), on_line)
+    run_k8s(
+        LaunchSpec(WORKER, num_nodes=2, nproc_per_node=1, timeout_s=180, name="rbac"),
+        settings(namespace, kubeconfig),
+        on_line,
+    )
     assert sum(" sum 1" in line for _, line in lines) == 2
 
 
@@ -140,21 +167,40 @@ def test_a_role_without_pod_logs_is_refused_before_anything_is_created(k8s_testb
     role = {**role, "rules": [rule for rule in rules if rule["resources"]]}
     kubeconfig = _service_account_kubeconfig(k8s_testbed, namespace, role, tmp_path)
     with pytest.raises(PermissionError, match=r"may not get pods/log in namespace"):
-        run_k8s(LaunchSpec(WORKER, num_nodes=2, timeout_s=60, name="nolog"), settings(namespace, kubeconfig), collect()[1])
+        run_k8s(
+            LaunchSpec(WORKER, num_nodes=2, timeout_s=60, name="nolog"), settings(namespace, kubeconfig), collect()[1]
+        )
 
 
 def test_rendered_pods_carry_the_per_asset_and_cluster_settings():
-    spec = LaunchSpec("vlm_assets.train.gpt_pretrain", ("--config", "/x/run.json"), num_nodes=12, nproc_per_node=8,
-                      name="gpt_checkpoint",
-                      resources={"nvidia.com/gpu": "8", "cpu": "64", "memory": "512Gi", "gpu_type": "NVIDIA-H100-80GB-HBM3"})
-    s = PodSettings(namespace="train", image="registry.example/vlm-assets:cuda", image_pull_secrets=["regcred"],
-                    service_account="trainer", env_from_secrets=["s3-credentials", "mlflow-credentials"])
-    launch = Launch(spec, s, labels={"dagster/run-id": "abc", "dagster/asset": "gpt_checkpoint", "dagster/step": "gpt_checkpoint"},
-                    launch_id="1234abcd")
+    spec = LaunchSpec(
+        "vlm_assets.train.gpt_pretrain",
+        ("--config", "/x/run.json"),
+        num_nodes=12,
+        nproc_per_node=8,
+        name="gpt_checkpoint",
+        resources={"nvidia.com/gpu": "8", "cpu": "64", "memory": "512Gi", "gpu_type": "NVIDIA-H100-80GB-HBM3"},
+    )
+    s = PodSettings(
+        namespace="train",
+        image="registry.example/vlm-assets:cuda",
+        image_pull_secrets=["regcred"],
+        service_account="trainer",
+        env_from_secrets=["s3-credentials", "mlflow-credentials"],
+    )
+    launch = Launch(
+        spec,
+        s,
+        labels={"dagster/run-id": "abc", "dagster/asset": "gpt_checkpoint", "dagster/step": "gpt_checkpoint"},
+        launch_id="1234abcd",
+    )
     service, *pods = launch.render()
     assert service["spec"]["clusterIP"] == "None" and len(pods) == 12
-    assert [p["metadata"]["name"] for p in pods][:3] == ["gpt-checkpoint-1234abcd-00", "gpt-checkpoint-1234abcd-01",
-                                                          "gpt-checkpoint-1234abcd-02"]
+    assert [p["metadata"]["name"] for p in pods][:3] == [
+        "gpt-checkpoint-1234abcd-00",
+        "gpt-checkpoint-1234abcd-01",
+        "gpt-checkpoint-1234abcd-02",
+    ]
     pod = pods[3]["spec"]
     container = pod["containers"][0]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "cpu": "64", "memory": "512Gi"}
@@ -162,7 +208,10 @@ def test_rendered_pods_carry_the_per_asset_and_cluster_settings():
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["volumes"]
-    assert container["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}, {"secretRef": {"name": "mlflow-credentials"}}]
+    assert container["envFrom"] == [
+        {"secretRef": {"name": "s3-credentials"}},
+        {"secretRef": {"name": "mlflow-credentials"}},
+    ]
     assert not any("SECRET" in e["name"] or "PASSWORD" in e["name"] for e in container["env"])
     endpoint = "gpt-checkpoint-1234abcd-00.gpt-checkpoint-1234abcd.train.svc.cluster.local:29400"
     assert f"--rdzv-endpoint={endpoint}" in container["command"]
@@ -192,8 +241,11 @@ def test_objects_of_runs_that_are_not_live_are_deleted_at_the_next_start(k8s_tes
     api = k8s_testbed.api()
     core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
     for run_id in ("dead-run", "live-run"):
-        launch = Launch(LaunchSpec(WORKER, ("--hang",), num_nodes=1), settings(namespace, k8s_testbed.kubeconfig),
-                        labels={"dagster/run-id": run_id})
+        launch = Launch(
+            LaunchSpec(WORKER, ("--hang",), num_nodes=1),
+            settings(namespace, k8s_testbed.kubeconfig),
+            labels={"dagster/run-id": run_id},
+        )
         core.create_namespaced_service(namespace, launch.service())
         core.create_namespaced_pod(namespace, launch.pods()[0])
     deleted = delete_orphans(core, batch, namespace, run_is_live=lambda run_id: run_id == "live-run")

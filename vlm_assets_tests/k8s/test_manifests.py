@@ -13,18 +13,32 @@ VERSIONS = ("1.28.0", "1.31.0")
 
 
 def rendered(mode: str) -> list[dict]:
-    spec = LaunchSpec("vlm_assets.train.gpt_pretrain", ("--config", "/var/lib/vlm_assets/runs/x/run.json"),
-                      num_nodes=4, nproc_per_node=8, timeout_s=86400, name="gpt_checkpoint",
-                      resources={"nvidia.com/gpu": "8", "cpu": "96", "memory": "1Ti", "gpu_type": "NVIDIA-H100-80GB-HBM3"})
+    spec = LaunchSpec(
+        "vlm_assets.train.gpt_pretrain",
+        ("--config", "/var/lib/vlm_assets/runs/x/run.json"),
+        num_nodes=4,
+        nproc_per_node=8,
+        timeout_s=86400,
+        name="gpt_checkpoint",
+        resources={"nvidia.com/gpu": "8", "cpu": "96", "memory": "1Ti", "gpu_type": "NVIDIA-H100-80GB-HBM3"},
+    )
     settings = PodSettings(**{**yaml.safe_load((REPO / "deploy" / "k8s" / "launcher.yaml").read_text()), "mode": mode})
-    labels = {"dagster/run-id": "0b6d3c1e-1f55-4b8e-9d7a-2a3b4c5d6e7f", "dagster/asset": "gpt_checkpoint",
-              "dagster/step": "gpt_checkpoint"}
+    labels = {
+        "dagster/run-id": "0b6d3c1e-1f55-4b8e-9d7a-2a3b4c5d6e7f",
+        "dagster/asset": "gpt_checkpoint",
+        "dagster/step": "gpt_checkpoint",
+    }
     return Launch(spec, settings, labels=labels, env={"DAGSTER_PIPES_CONTEXT": "eJwLz0jNyclXKM8vyklRBAAeKQSp"}).render()
 
 
 def shipped() -> list[dict]:
-    return [doc for path in sorted((REPO / "deploy" / "k8s").glob("*.yaml")) if path.name != "launcher.yaml"
-            for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return [
+        doc
+        for path in sorted((REPO / "deploy" / "k8s").glob("*.yaml"))
+        if path.name != "launcher.yaml"
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -52,7 +66,9 @@ def test_strict_validation_catches_a_misspelt_field():
 def test_the_shipped_launcher_settings_load(monkeypatch):
     from vlm_assets.defs.platform.environment import launcher_for
 
-    launcher = launcher_for({"VLM_ASSETS_LAUNCHER": "k8s", "VLM_ASSETS_K8S_CONFIG": str(REPO / "deploy" / "k8s" / "launcher.yaml")})
+    launcher = launcher_for(
+        {"VLM_ASSETS_LAUNCHER": "k8s", "VLM_ASSETS_K8S_CONFIG": str(REPO / "deploy" / "k8s" / "launcher.yaml")}
+    )
     assert launcher.settings().namespace == "vlm-training" and launcher.settings().env_from_secrets
 
 
@@ -62,4 +78,7 @@ def test_the_indexed_job_takes_the_node_index_from_the_completion_index():
     container = job["spec"]["template"]["spec"]["containers"][0]
     index = next(e for e in container["env"] if e["name"] == "VLM_ASSETS_NODE_INDEX")
     assert "job-completion-index" in index["valueFrom"]["fieldRef"]["fieldPath"]
-    assert any(arg.startswith("--rdzv-endpoint=gpt-checkpoint-") and "-0.gpt-checkpoint-" in arg for arg in container["command"])
+    assert any(
+        arg.startswith("--rdzv-endpoint=gpt-checkpoint-") and "-0.gpt-checkpoint-" in arg
+        for arg in container["command"]
+    )

@@ -47,10 +47,13 @@ def k8s_testbed(tmp_path_factory):
         fcntl.flock(lock, fcntl.LOCK_EX)  # a build in progress (scripts/test.sh) ends first
         build = subprocess.run([str(TESTBED / "build.sh")], capture_output=True, text=True)
     if build.returncode != 0:
-        pytest.fail(f"building the k8s testbed failed (exit {build.returncode}):\n{build.stdout[-3000:]}\n{build.stderr[-3000:]}")
+        out = f"{build.stdout[-3000:]}\n{build.stderr[-3000:]}"
+        pytest.fail(f"building the k8s testbed failed (exit {build.returncode}):\n{out}")
     run_dir = tmp_path_factory.mktemp("k8s-testbed")
     env = {**os.environ, "TESTBED_PYTHON": sys.executable, "FAKE_KUBELET_CWD": str(REPO)}
-    start = subprocess.run([str(TESTBED / "start.sh"), str(run_dir)], env=env, capture_output=True, text=True, timeout=180)
+    start = subprocess.run(
+        [str(TESTBED / "start.sh"), str(run_dir)], env=env, capture_output=True, text=True, timeout=180
+    )
     if start.returncode != 0:
         subprocess.run([str(TESTBED / "stop.sh"), str(run_dir)])
         pytest.fail(f"starting the k8s testbed failed:\n{start.stdout[-3000:]}\n{start.stderr[-3000:]}")
@@ -72,9 +75,11 @@ def wait_for_default_service_account(core, namespace: str, timeout: float = 60) 
 
 
 def launcher_objects(core, batch, namespace: str) -> list[str]:
-    return ([f"pod/{p.metadata.name}" for p in core.list_namespaced_pod(namespace).items]
-            + [f"service/{s.metadata.name}" for s in core.list_namespaced_service(namespace).items]
-            + [f"job/{j.metadata.name}" for j in batch.list_namespaced_job(namespace).items])
+    return (
+        [f"pod/{p.metadata.name}" for p in core.list_namespaced_pod(namespace).items]
+        + [f"service/{s.metadata.name}" for s in core.list_namespaced_service(namespace).items]
+        + [f"job/{j.metadata.name}" for j in batch.list_namespaced_job(namespace).items]
+    )
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """A real distributed worker for launcher tests: gloo all-reduce of the ranks, then an optional failure.
 
-    torchrun --nnodes=2 --nproc-per-node=1 ... -m vlm_assets_tests.launch.allreduce_worker [--fail-rank R] [--hang]
+torchrun --nnodes=2 --nproc-per-node=1 ... -m vlm_assets_tests.launch.allreduce_worker [--fail-rank R] [--hang]
 """
 
 import argparse

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from vlm_assets.models.visualchat import VisualChatModel, VisualChatModelConfig, positions_from_segments
+from vlm_assets.data.tokens import positions_from_segments
+from vlm_assets.models.visualchat import VisualChatModel, VisualChatModelConfig
 from vlm_assets.models.visualchat_attention import Layout, visualchat_attention
 from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
 
@@ -49,12 +50,12 @@ def test_attention_matches_the_reference_on_a_two_image_sample(mmca):
     from vlm_assets.models.visualchat_attention import attention_layout
 
     with attention_layout(layout):
-        fast, _ = visualchat_attention(_Module(), q, k, v, None, scaling=8 ** -0.5)
-    torch.testing.assert_close(fast, reference_attention(q, k, v, layout, 8 ** -0.5), rtol=1e-10, atol=1e-10)
+        fast, _ = visualchat_attention(_Module(), q, k, v, None, scaling=8**-0.5)
+    torch.testing.assert_close(fast, reference_attention(q, k, v, layout, 8**-0.5), rtol=1e-10, atol=1e-10)
     if mmca:  # not plain causal attention: the image part is normalised on its own
         plain = Layout(segments, image, False)
         with attention_layout(plain):
-            causal, _ = visualchat_attention(_Module(), q, k, v, None, scaling=8 ** -0.5)
+            causal, _ = visualchat_attention(_Module(), q, k, v, None, scaling=8**-0.5)
         assert (causal - fast).abs().max() > 0.1
 
 
@@ -80,9 +81,13 @@ def test_positions_restart_per_segment():
 @pytest.fixture(scope="module")
 def clip_model(tmp_path_factory, offline_data):
     root = tmp_path_factory.mktemp("vc")
-    config = VisualChatModelConfig(encoder_kind="clip", encoder=str(tiny_clip(root / "clip")),
-                                   projection="linear", decoder=str(tiny_decoder(root / "llama", offline_data)),
-                                   mmca=True)
+    config = VisualChatModelConfig(
+        encoder_kind="clip",
+        encoder=str(tiny_clip(root / "clip")),
+        projection="linear",
+        decoder=str(tiny_decoder(root / "llama", offline_data)),
+        mmca=True,
+    )
     return VisualChatModel.build(config)
 
 
@@ -95,9 +100,14 @@ def _sample(model, n_images: int, text: str, answer: str):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_packed_samples_give_the_loss_of_the_same_samples_unpacked(tmp_path, offline_data, arch):
-    config = VisualChatModelConfig(encoder_kind="clip", encoder=str(tiny_clip(tmp_path / "clip")),
-                                   projection="perceiver", num_queries=4, mmca=True,
-                                   decoder=str(tiny_decoder(tmp_path / arch, offline_data, arch)))
+    config = VisualChatModelConfig(
+        encoder_kind="clip",
+        encoder=str(tiny_clip(tmp_path / "clip")),
+        projection="perceiver",
+        num_queries=4,
+        mmca=True,
+        decoder=str(tiny_decoder(tmp_path / arch, offline_data, arch)),
+    )
     model = VisualChatModel.build(config).eval()
     torch.manual_seed(0)
     a, b = _sample(model, 2, "Which of these is a cat?", "the first"), _sample(model, 1, "What is shown?", "a ship")
@@ -110,8 +120,12 @@ def test_packed_samples_give_the_loss_of_the_same_samples_unpacked(tmp_path, off
         ids[row, : len(i)], labels[row, : len(lab)], segments[row, : len(i)] = torch.tensor(i), torch.tensor(lab), 1
     unpacked = model(ids, pixels, labels=labels, segments=segments).loss
     packed_ids = torch.tensor([a[0] + b[0]])
-    packed = model(packed_ids, pixels, labels=torch.tensor([a[1] + b[1]]),
-                   segments=torch.tensor([[1] * len(a[0]) + [2] * len(b[0])])).loss
+    packed = model(
+        packed_ids,
+        pixels,
+        labels=torch.tensor([a[1] + b[1]]),
+        segments=torch.tensor([[1] * len(a[0]) + [2] * len(b[0])]),
+    ).loss
     torch.testing.assert_close(packed, unpacked, rtol=1e-5, atol=1e-6)
 
 
@@ -162,8 +176,15 @@ def test_efficientnet_lite0_gives_49_tokens_of_1280_from_pretrained_weights(offl
 
     encoder = EfficientNetLite0Encoder().eval()
     images = sorted((offline_data / "cifar10-samples").glob("*.png"))[:2]
-    pixels = torch.stack([torch.from_numpy(np.array(Image.open(p).convert("RGB").resize((224, 224)))).permute(2, 0, 1)
-                          for p in images]).float() / 255
+    pixels = (
+        torch.stack(
+            [
+                torch.from_numpy(np.array(Image.open(p).convert("RGB").resize((224, 224)))).permute(2, 0, 1)
+                for p in images
+            ]
+        ).float()
+        / 255
+    )
     with torch.no_grad():
         features = encoder(pixels)
     assert features.shape == (2, 49, 1280) and torch.isfinite(features).all()
@@ -199,8 +220,12 @@ def test_an_encoder_that_does_not_load_names_the_path(tmp_path):
     from vlm_assets.models.vision_encoders import build_encoder
 
     (tmp_path / "empty").mkdir()
-    for kind, path in (("clip", tmp_path / "missing"), ("clip", tmp_path / "empty"), ("qwen2_5_vl", tmp_path / "missing"),
-                       ("efficientnet_lite0", tmp_path / "missing.pt")):
+    for kind, path in (
+        ("clip", tmp_path / "missing"),
+        ("clip", tmp_path / "empty"),
+        ("qwen2_5_vl", tmp_path / "missing"),
+        ("efficientnet_lite0", tmp_path / "missing.pt"),
+    ):
         with pytest.raises((FileNotFoundError, OSError, ValueError)) as info:
             build_encoder(kind, str(path))
         assert str(path) in str(info.value), (kind, str(info.value))
@@ -236,7 +261,10 @@ def test_gradient_checkpointing_recomputes_with_the_same_layout(clip_model):
     held around backward, as the trainer does) equal those without."""
     from vlm_assets.models.visualchat_attention import attention_layout
 
-    a, b = _sample(clip_model, 2, "Which of these is a cat?", "the first"), _sample(clip_model, 1, "What is shown?", "a ship")
+    a, b = (
+        _sample(clip_model, 2, "Which of these is a cat?", "the first"),
+        _sample(clip_model, 1, "What is shown?", "a ship"),
+    )
     ids, labels = torch.tensor([a[0] + b[0]]), torch.tensor([a[1] + b[1]])
     segments = torch.tensor([[1] * len(a[0]) + [2] * len(b[0])])
     pixels = torch.rand(3, 3, 32, 32)

@@ -14,9 +14,19 @@ def tiny_decoder(out_dir: Path, offline: Path, arch: str = "llama", seed: int = 
     tokenizer = GPT2TokenizerFast.from_pretrained(offline / "gpt2-tokenizer")
     vocab = len(tokenizer)
     if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                                             bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=vocab,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=1024,
+                bos_token_id=tokenizer.eos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        )
     else:
         model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=1024))
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -28,7 +38,15 @@ def tiny_clip(out_dir: Path, seed: int = 0) -> Path:
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     torch.manual_seed(seed)
-    CLIPVisionModel(CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
-                                     num_hidden_layers=2, num_attention_heads=4)).save_pretrained(out_dir)
+    CLIPVisionModel(
+        CLIPVisionConfig(
+            image_size=32,
+            patch_size=8,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+        )
+    ).save_pretrained(out_dir)
     CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(out_dir)
     return out_dir

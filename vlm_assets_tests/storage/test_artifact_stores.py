@@ -4,13 +4,8 @@ import time
 
 import pytest
 
+from vlm_assets.storage import ArtifactNotFoundError, CorruptArtifactError, LocalArtifactStore, S3ArtifactStore
 from vlm_assets.storage.lease import LeaseLostError, holder_record
-from vlm_assets.storage import (
-    ArtifactNotFoundError,
-    CorruptArtifactError,
-    LocalArtifactStore,
-    S3ArtifactStore,
-)
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -52,10 +47,9 @@ def test_same_content_same_data_version(store):
 
 
 def test_failure_mid_write_leaves_nothing_visible(store):
-    with pytest.raises(RuntimeError, match="writer died"):
-        with store.staging_dir("asset/k2") as staging:
-            _fill(staging)
-            raise RuntimeError("writer died")
+    with pytest.raises(RuntimeError, match="writer died"), store.staging_dir("asset/k2") as staging:
+        _fill(staging)
+        raise RuntimeError("writer died")
     assert not store.exists("asset/k2")
     with pytest.raises(ArtifactNotFoundError):
         store.read_manifest("asset/k2")
@@ -74,12 +68,13 @@ def test_failure_during_publish_leaves_nothing_visible(store, monkeypatch):
 
         monkeypatch.setattr(store.client, "upload_file", flaky_upload)
     else:
-        monkeypatch.setattr("vlm_assets.storage.artifact_store.os.rename",
-                            lambda *a: (_ for _ in ()).throw(ConnectionError("network dropped")))
-    with pytest.raises(ConnectionError):
-        with store.staging_dir("asset/k3") as staging:
-            _fill(staging)
-            store.commit("asset/k3", staging, {})
+        monkeypatch.setattr(
+            "vlm_assets.storage.artifact_store.os.rename",
+            lambda *a: (_ for _ in ()).throw(ConnectionError("network dropped")),
+        )
+    with pytest.raises(ConnectionError), store.staging_dir("asset/k3") as staging:
+        _fill(staging)
+        store.commit("asset/k3", staging, {})
     assert not store.exists("asset/k3")
     if isinstance(store, S3ArtifactStore):
         listed = store.client.list_objects_v2(Bucket=store.bucket, Prefix="team/vlm/asset/k3")
@@ -159,8 +154,10 @@ def test_quick_verify_reads_sizes_not_content(store):
     else:
         (store.root / "asset" / "q" / "a.txt").write_text("alph")
         (store.root / "asset" / "q" / "sub" / "b.bin").unlink()
-    assert store.quick_verify("asset/q") == ["a.txt: 4 bytes, the manifest says 5",
-                                             "sub/b.bin: listed in the manifest but missing"]
+    assert store.quick_verify("asset/q") == [
+        "a.txt: 4 bytes, the manifest says 5",
+        "sub/b.bin: listed in the manifest but missing",
+    ]
 
 
 def test_lease_one_holder_named_renewed_released(store):

@@ -48,8 +48,10 @@ class Team:
         return body["data"]
 
     def launch(self, job: str, run_config: dict | None = None) -> str:
-        params = {"selector": {"repositoryLocationName": "vlm_assets", "repositoryName": "__repository__",
-                               "jobName": job}, "runConfigData": run_config or {}}
+        params = {
+            "selector": {"repositoryLocationName": "vlm_assets", "repositoryName": "__repository__", "jobName": job},
+            "runConfigData": run_config or {},
+        }
         launched = self.graphql(LAUNCH, params=params)["launchRun"]
         assert launched["__typename"] == "LaunchRunSuccess", launched
         return launched["run"]["runId"]
@@ -58,15 +60,29 @@ class Team:
         return self.graphql(STATUS, runId=run_id)["runOrError"]["status"]
 
     def wait_for_end(self, run_id: str, timeout: float = 600) -> str:
-        return _wait(lambda: (s := self.status(run_id)) in ("SUCCESS", "FAILURE", "CANCELED") and s, timeout,
-                     f"run {run_id} to end", every=2)
+        return _wait(
+            lambda: (s := self.status(run_id)) in ("SUCCESS", "FAILURE", "CANCELED") and s,
+            timeout,
+            f"run {run_id} to end",
+            every=2,
+        )
 
     def failure(self, run_id: str) -> str:
         """What to read when a run did not do what a test expected: its status, errors and the daemon's log."""
         import dagster as dg
 
-        records = self.instance().get_records_for_run(run_id, of_type={
-            dg.DagsterEventType.STEP_FAILURE, dg.DagsterEventType.RUN_FAILURE, dg.DagsterEventType.ENGINE_EVENT}).records
+        records = (
+            self.instance()
+            .get_records_for_run(
+                run_id,
+                of_type={
+                    dg.DagsterEventType.STEP_FAILURE,
+                    dg.DagsterEventType.RUN_FAILURE,
+                    dg.DagsterEventType.ENGINE_EVENT,
+                },
+            )
+            .records
+        )
         errors = [r.event_log_entry.message for r in records][-10:]
         daemon = (self.root / "logs" / "daemon.log").read_text()[-3000:]
         return f"run {run_id}: {self.status(run_id)}\n" + "\n".join(errors) + f"\n--- daemon log\n{daemon}"
@@ -80,8 +96,14 @@ class Team:
             return dg.DagsterInstance.from_config(self.env["DAGSTER_HOME"])
 
     def run(self, *args: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "dagster", *args], cwd=REPO, env={**os.environ, **self.env, **env},
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "dagster", *args],
+            cwd=REPO,
+            env={**os.environ, **self.env, **env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def service_pid(self, name: str) -> int:
         for line in (self.root / "pids").read_text().splitlines():
@@ -95,12 +117,16 @@ def team(offline_data):
     # Postgres does not run as root: its directory must be reachable by the postgres user.
     root = Path(tempfile.mkdtemp(prefix="vlm-team-", dir="/var/tmp"))
     root.chmod(0o755)
-    env = {**os.environ, "VLM_SERVICES_WEB_PORT": str(free_port()),
-           "VLM_ASSETS_PROFILE": "demo",  # the README's team setup (the in-process tests run "seed")
-           # main_schedule every minute, so that a tick is seen within a test
-           "VLM_ASSETS_SCHEDULE_CRON": "* * * * *"}
-    up = subprocess.run([str(REPO / "scripts" / "services.sh"), "up", str(root)], env=env, capture_output=True,
-                        text=True, timeout=600)
+    env = {
+        **os.environ,
+        "VLM_SERVICES_WEB_PORT": str(free_port()),
+        "VLM_ASSETS_PROFILE": "demo",  # the README's team setup (the in-process tests run "seed")
+        # main_schedule every minute, so that a tick is seen within a test
+        "VLM_ASSETS_SCHEDULE_CRON": "* * * * *",
+    }
+    up = subprocess.run(
+        [str(REPO / "scripts" / "services.sh"), "up", str(root)], env=env, capture_output=True, text=True, timeout=600
+    )
     try:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         dump = subprocess.run(["bash", "-c", f"source {root}/env.sh && env -0"], capture_output=True, check=True).stdout
@@ -109,8 +135,14 @@ def team(offline_data):
         team_env.update(VLM_ASSETS_SCHEDULE_CRON="* * * * *", VLM_ASSETS_PROFILE="demo")
         yield Team(root, team_env)
     finally:
-        pids = [int(line.split()[1]) for line in (root / "pids").read_text().splitlines()] if (root / "pids").exists() else []
-        down = subprocess.run([str(REPO / "scripts" / "services.sh"), "down", str(root)], capture_output=True, text=True)
+        pids = (
+            [int(line.split()[1]) for line in (root / "pids").read_text().splitlines()]
+            if (root / "pids").exists()
+            else []
+        )
+        down = subprocess.run(
+            [str(REPO / "scripts" / "services.sh"), "down", str(root)], capture_output=True, text=True
+        )
         assert down.returncode == 0, down.stderr
         left = [pid for pid in pids if alive(pid)]
         listening = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout
@@ -121,8 +153,12 @@ def team(offline_data):
 
 def test_everything_listens_on_loopback_only(team):
     listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
-    ports = {team.env["DAGSTER_PG_PORT"], team.env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1],
-             team.env["MLFLOW_TRACKING_URI"].rsplit(":", 1)[1], team.url.rsplit(":", 1)[1]}
+    ports = {
+        team.env["DAGSTER_PG_PORT"],
+        team.env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1],
+        team.env["MLFLOW_TRACKING_URI"].rsplit(":", 1)[1],
+        team.url.rsplit(":", 1)[1],
+    }
     ours = [line.split()[3] for line in listening if line.split()[3].rsplit(":", 1)[1] in ports]
     assert len(ours) >= 4 and all(addr.startswith("127.0.0.1:") for addr in ours), ours
 
@@ -153,7 +189,9 @@ def _training_windows(instance, run_ids: list[str]) -> list[tuple[float, float, 
             if entry.is_dagster_event and entry.step_key in ("gpt_checkpoint", "visualchat_model", "occlusion_adapter"):
                 times.setdefault(entry.step_key, {})[entry.dagster_event_type] = entry.timestamp
         for step, t in times.items():
-            windows.append((t[dg.DagsterEventType.STEP_START], t[dg.DagsterEventType.STEP_SUCCESS], f"{run_id[:8]}/{step}"))
+            windows.append(
+                (t[dg.DagsterEventType.STEP_START], t[dg.DagsterEventType.STEP_SUCCESS], f"{run_id[:8]}/{step}")
+            )
     return sorted(windows)
 
 
@@ -168,8 +206,22 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
     from mlflow import MlflowClient
 
     main = team.launch("main_job")
-    other = team.launch("gpt_job", {"ops": {"gpt_checkpoint": {"config": {
-        "seed": 11, "max_steps": 10, "val_check_interval": 10, "checkpoint_every": 10, "log_every": 5}}}})
+    other = team.launch(
+        "gpt_job",
+        {
+            "ops": {
+                "gpt_checkpoint": {
+                    "config": {
+                        "seed": 11,
+                        "max_steps": 10,
+                        "val_check_interval": 10,
+                        "checkpoint_every": 10,
+                        "log_every": 5,
+                    }
+                }
+            }
+        },
+    )
     instance = team.instance()
 
     cursor = [None]
@@ -177,13 +229,16 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
     def main_gpt_checkpointed():  # the trainer's Pipes log line, read incrementally
         connection = instance.get_records_for_run(main, cursor=cursor[0])
         cursor[0] = connection.cursor
-        return (any(r.event_log_entry.user_message.startswith("checkpoint step") for r in connection.records)
-                or team.status(main) in ("SUCCESS", "FAILURE"))
+        return any(
+            r.event_log_entry.user_message.startswith("checkpoint step") for r in connection.records
+        ) or team.status(main) in ("SUCCESS", "FAILURE")
 
     _wait(main_gpt_checkpointed, 900, "main_job's GPT to commit a checkpoint", every=1)
     assert team.status(main) == "STARTED", team.failure(main)
     _restart(team, "mlflow")
-    assert [team.wait_for_end(r, 900) for r in (main, other)] == ["SUCCESS", "SUCCESS"], [team.failure(r) for r in (main, other)]
+    assert [team.wait_for_end(r, 900) for r in (main, other)] == ["SUCCESS", "SUCCESS"], [
+        team.failure(r) for r in (main, other)
+    ]
 
     windows = _training_windows(instance, [main, other])
     assert len(windows) == 4, windows
@@ -193,8 +248,10 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
 
     client = MlflowClient(team.env["MLFLOW_TRACKING_URI"])
     experiment = client.get_experiment_by_name("vlm_assets")
-    gpt = client.search_runs([experiment.experiment_id], filter_string=(
-        f"tags.`dagster.asset` = 'gpt_checkpoint' and tags.`dagster.run_id` = '{main}'"))
+    gpt = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=(f"tags.`dagster.asset` = 'gpt_checkpoint' and tags.`dagster.run_id` = '{main}'"),
+    )
     assert [r.info.status for r in gpt] == ["FINISHED"]
     steps = [m.step for m in client.get_metric_history(gpt[0].info.run_id, "train/loss")]
     assert steps and steps[-1] == 40, steps  # logged on both sides of the restart (log_every 10, 40 steps)
@@ -202,6 +259,7 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
 
     assert team.run("schedule", "start", "main_schedule", "-w", "workspace.yaml").returncode == 0
     try:
+
         def scheduled_run():
             runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/schedule_name": "main_schedule"}))
             return runs[0].run_id if runs else None
@@ -211,9 +269,12 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
         assert team.run("schedule", "stop", "main_schedule", "-w", "workspace.yaml").returncode == 0
     assert team.wait_for_end(scheduled, 600) == "SUCCESS", team.failure(scheduled)
     events = instance.get_records_for_run(scheduled, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION).records
-    caches = {e.event_log_entry.dagster_event.asset_key.to_user_string():
-              getattr(v := e.event_log_entry.dagster_event.materialization.metadata.get("cache"), "value", v)
-              for e in events}
+    caches = {
+        e.event_log_entry.dagster_event.asset_key.to_user_string(): getattr(
+            v := e.event_log_entry.dagster_event.materialization.metadata.get("cache"), "value", v
+        )
+        for e in events
+    }
     assert caches["gpt_checkpoint"] == "hit" and caches["occlusion_adapter"] == "hit", caches
     assert all(v in ("hit", None) for v in caches.values()), caches
     assert client.get_model_version_by_alias("occlusion_adapter", "champion").version == "1"  # no second version
@@ -221,8 +282,9 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
 
 def test_postgres_unreachable_fails_naming_the_host(team):
     closed = str(free_port())
-    run = team.run("job", "execute", "-m", "vlm_assets.definitions", "-j", "gpt_job", timeout=300,
-                   DAGSTER_PG_PORT=closed)
+    run = team.run(
+        "job", "execute", "-m", "vlm_assets.definitions", "-j", "gpt_job", timeout=300, DAGSTER_PG_PORT=closed
+    )
     out = run.stdout + run.stderr
     assert run.returncode != 0
     assert f'connection to server at "127.0.0.1", port {closed} failed' in out, out[-3000:]
@@ -236,7 +298,9 @@ def test_instance_migrate_on_a_copy_keeps_every_run(team):
     conn = ["-h", "127.0.0.1", "-p", team.env["DAGSTER_PG_PORT"], "-U", "vlm"]
     subprocess.run([pg / "createdb", *conn, "dagster_copy"], env=env, check=True)
     dump = subprocess.run([pg / "pg_dump", *conn, "dagster"], env=env, check=True, capture_output=True).stdout
-    subprocess.run([pg / "psql", *conn, "-q", "-d", "dagster_copy"], input=dump, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [pg / "psql", *conn, "-q", "-d", "dagster_copy"], input=dump, env=env, check=True, capture_output=True
+    )
     migrate = team.run("instance", "migrate", DAGSTER_PG_DB="dagster_copy")
     assert migrate.returncode == 0, migrate.stderr[-2000:]
     original = team.instance()

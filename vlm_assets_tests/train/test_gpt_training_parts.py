@@ -36,16 +36,28 @@ def test_weight_decay_only_on_matrices_and_embeddings():
 def test_accumulation_from_global_batch_and_world_size():
     assert config(micro_batch_size=8, global_batch_size=256).accumulation(4) == 8
     assert config(micro_batch_size=8, global_batch_size=256).accumulation(32) == 1
-    with pytest.raises(ValueError, match="global_batch_size 104 is not a multiple of micro_batch_size 8 x world size 2"):
+    with pytest.raises(
+        ValueError, match="global_batch_size 104 is not a multiple of micro_batch_size 8 x world size 2"
+    ):
         config(micro_batch_size=8, global_batch_size=104).accumulation(2)
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"strategy": "fsdp1"}, "strategy"), ({"preset": "7B"}, "preset"), ({"max_steps": 0}, "max_steps"),
-    ({"min_lr_ratio": 2.0}, "min_lr_ratio"), ({"warmup_steps": 50, "max_steps": 10}, "warmup_steps 50 exceeds"),
-    ({"micro_batch_size": 8, "global_batch_size": 100, "nproc_per_node": 2}, "global_batch_size 100 is not a multiple"),
-    ({"timeout_s": 0}, "timeout_s"), ({"learning_rate": 1.0}, "learning_rate"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"strategy": "fsdp1"}, "strategy"),
+        ({"preset": "7B"}, "preset"),
+        ({"max_steps": 0}, "max_steps"),
+        ({"min_lr_ratio": 2.0}, "min_lr_ratio"),
+        ({"warmup_steps": 50, "max_steps": 10}, "warmup_steps 50 exceeds"),
+        (
+            {"micro_batch_size": 8, "global_batch_size": 100, "nproc_per_node": 2},
+            "global_batch_size 100 is not a multiple",
+        ),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"learning_rate": 1.0}, "learning_rate"),
+    ],
+)
 def test_bad_pretrain_config_names_the_field(bad, message):
     with pytest.raises(ValueError, match=message):
         config(**bad)

@@ -14,18 +14,35 @@ def key(config) -> str:
     return cache_key("gpt_checkpoint", "1", config.identity(), {"token_shards": "abc"})
 
 
-@pytest.mark.parametrize("run_change", [
-    {"timeout_s": 7}, {"num_nodes": 4}, {"nproc_per_node": 8, "micro_batch_size": 4}, {"log_every": 1},
-    {"keep_last": 9}, {"checkpoint_every": 5}, {"activation_checkpointing": True}, {"num_workers": 2},
-])
+@pytest.mark.parametrize(
+    "run_change",
+    [
+        {"timeout_s": 7},
+        {"num_nodes": 4},
+        {"nproc_per_node": 8, "micro_batch_size": 4},
+        {"log_every": 1},
+        {"keep_last": 9},
+        {"checkpoint_every": 5},
+        {"activation_checkpointing": True},
+        {"num_workers": 2},
+    ],
+)
 def test_run_fields_leave_the_key_alone(run_change):
     assert key(PretrainConfig(**run_change)) == key(PretrainConfig())
 
 
-@pytest.mark.parametrize("content_change", [
-    {"lr": 1e-3}, {"max_steps": 1000}, {"global_batch_size": 512}, {"preset": "tiny"}, {"seed": 1},
-    {"strategy": "ddp"}, {"dropout": 0.1},
-])
+@pytest.mark.parametrize(
+    "content_change",
+    [
+        {"lr": 1e-3},
+        {"max_steps": 1000},
+        {"global_batch_size": 512},
+        {"preset": "tiny"},
+        {"seed": 1},
+        {"strategy": "ddp"},
+        {"dropout": 0.1},
+    ],
+)
 def test_content_fields_give_a_new_key(content_change):
     assert key(PretrainConfig(**content_change)) != key(PretrainConfig())
 
@@ -35,16 +52,31 @@ def test_identity_and_run_fields_partition_the_config():
         config = model()
         assert set(config.identity()) | set(config.run_settings()) == set(model.model_fields)
         assert not set(config.identity()) & set(config.run_settings())
-    assert {"timeout_s", "num_nodes", "nproc_per_node", "gradient_checkpointing", "log_every",
-            "materialize_partial_on_failure", "gpus_per_node", "gpu_type", "cpu_per_node",
-            "memory_per_node"} == set(AdapterTrainConfig().run_settings()) - {"micro_batch_size"}
+    assert {
+        "timeout_s",
+        "num_nodes",
+        "nproc_per_node",
+        "gradient_checkpointing",
+        "log_every",
+        "materialize_partial_on_failure",
+        "gpus_per_node",
+        "gpu_type",
+        "cpu_per_node",
+        "memory_per_node",
+    } == set(AdapterTrainConfig().run_settings()) - {"micro_batch_size"}
 
 
 def test_run_file_round_trip_and_errors_name_the_file_and_field(tmp_path):
-    config = PretrainConfig(preset="tiny", max_steps=30, warmup_steps=5, nproc_per_node=2, micro_batch_size=2,
-                            global_batch_size=8)
-    paths = RunPaths(inputs={"token_shards": "/data"}, out_dir="o", cache_dir="c",
-                     checkpoint_store={"kind": "local", "root": "r"}, checkpoint_prefix="p")
+    config = PretrainConfig(
+        preset="tiny", max_steps=30, warmup_steps=5, nproc_per_node=2, micro_batch_size=2, global_batch_size=8
+    )
+    paths = RunPaths(
+        inputs={"token_shards": "/data"},
+        out_dir="o",
+        cache_dir="c",
+        checkpoint_store={"kind": "local", "root": "r"},
+        checkpoint_prefix="p",
+    )
     write_run_file(tmp_path / "run.json", config, paths)
     assert read_run_file(tmp_path / "run.json", PretrainConfig) == (config, paths)
 
@@ -66,9 +98,13 @@ def test_adapter_recipe_settings_are_checked_at_load():
 
     from vlm_assets.train.adapter_config import AdapterTrainConfig
 
-    ok = AdapterTrainConfig(epochs=10, reconstruction_warmup_epochs=10, reconstruction_outside_box=True, adapter_steps=6)
+    ok = AdapterTrainConfig(
+        epochs=10, reconstruction_warmup_epochs=10, reconstruction_outside_box=True, adapter_steps=6
+    )
     assert ok.adapter_steps == 6
-    with pytest.raises(pydantic.ValidationError, match=r"reconstruction_warmup_epochs \(11\) must be at most epochs \(10\)"):
+    with pytest.raises(
+        pydantic.ValidationError, match=r"reconstruction_warmup_epochs \(11\) must be at most epochs \(10\)"
+    ):
         AdapterTrainConfig(epochs=10, reconstruction_warmup_epochs=11)
     with pytest.raises(pydantic.ValidationError, match="reconstruction_loss_weight is 0"):
         AdapterTrainConfig(epochs=2, reconstruction_warmup_epochs=2, reconstruction_loss_weight=0)

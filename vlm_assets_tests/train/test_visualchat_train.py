@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from vlm_assets.data import visualchat_data as vd
-from vlm_assets.launch import LaunchSpec, run_local
+from vlm_assets.launch import run_local
 from vlm_assets.models.visualchat import VisualChatModel
 from vlm_assets.train.run_config import RunPaths, write_run_file
 from vlm_assets.train.visualchat_config import VisualChatTrainConfig
-from vlm_assets_tests.conftest import real_cifar_images, training_workers
+from vlm_assets_tests.conftest import training_workers
 from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
 
 CIFAR = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -38,37 +38,77 @@ def make_inputs(root: Path, offline_data: Path) -> Path:
 
     tiny_clip(root / "clip")
     tiny_decoder(root / "llama", offline_data)
-    write_occlusion_manifests(load_fashion_mnist(offline_data / "fashion-mnist"), root / "manifests", num_train=40,
-                              num_validation=10, train_box=BoxBounds(0.2, 0.4), validation_box=BoxBounds(0.2, 0.4), seed=0)
+    write_occlusion_manifests(
+        load_fashion_mnist(offline_data / "fashion-mnist"),
+        root / "manifests",
+        num_train=40,
+        num_validation=10,
+        train_box=BoxBounds(0.2, 0.4),
+        validation_box=BoxBounds(0.2, 0.4),
+        seed=0,
+    )
     files = sorted((offline_data / "cifar10-samples").glob("cifar10_*.png"))
     with open(root / "cifar.jsonl", "w") as out:
         for f in files:
-            out.write(json.dumps({"messages": [
-                {"role": "user", "content": [{"type": "image", "image": str(f)}, {"type": "text", "text": "What is shown?"}]},
-                {"role": "assistant", "content": CIFAR[int(f.stem.split("_")[2])]}]}) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {
+                                "role": "user",
+                                "content": [
+                                    {"type": "image", "image": str(f)},
+                                    {"type": "text", "text": "What is shown?"},
+                                ],
+                            },
+                            {"role": "assistant", "content": CIFAR[int(f.stem.split("_")[2])]},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return root
 
 
 def config(inputs: Path, **overrides) -> VisualChatTrainConfig:
-    settings = dict(encoder_kind="clip", encoder=str(inputs / "clip"), decoder=str(inputs / "llama"), projection="mlp",
-                    max_steps=6, pair_count=12, chat_datasets={str(inputs / "cifar.jsonl"): 10}, micro_batch_size=2,
-                    global_batch_size=4, nproc_per_node=2, checkpoint_every=3, log_every=3, lr=3e-3, warmup_steps=2,
-                    max_length=256, timeout_s=600)
+    settings = dict(
+        encoder_kind="clip",
+        encoder=str(inputs / "clip"),
+        decoder=str(inputs / "llama"),
+        projection="mlp",
+        max_steps=6,
+        pair_count=12,
+        chat_datasets={str(inputs / "cifar.jsonl"): 10},
+        micro_batch_size=2,
+        global_batch_size=4,
+        nproc_per_node=2,
+        checkpoint_every=3,
+        log_every=3,
+        lr=3e-3,
+        warmup_steps=2,
+        max_length=256,
+        timeout_s=600,
+    )
     return VisualChatTrainConfig(**{**settings, **overrides})
 
 
 def run_file(inputs: Path, work: Path, cfg: VisualChatTrainConfig) -> Path:
-    paths = RunPaths(inputs={"occlusion_manifests": str(inputs / "manifests")}, out_dir=str(work / "out"),
-                     cache_dir=str(work / "cache"), checkpoint_store={"kind": "local", "root": str(work / "store")},
-                     checkpoint_prefix="checkpoints/visualchat")
+    paths = RunPaths(
+        inputs={"occlusion_manifests": str(inputs / "manifests")},
+        out_dir=str(work / "out"),
+        cache_dir=str(work / "cache"),
+        checkpoint_store={"kind": "local", "root": str(work / "store")},
+        checkpoint_prefix="checkpoints/visualchat",
+    )
     write_run_file(work / "run.json", cfg, paths)
     return work / "run.json"
 
 
 def train(inputs: Path, work: Path, cfg: VisualChatTrainConfig) -> dict:
     lines: list[str] = []
-    spec = cfg.launch_spec("vlm_assets.train.visualchat_train", ("--config", str(run_file(inputs, work, cfg))),
-                           name="visualchat")
+    spec = cfg.launch_spec(
+        "vlm_assets.train.visualchat_train", ("--config", str(run_file(inputs, work, cfg))), name="visualchat"
+    )
     run_local(spec, on_line=lines.append)
     reported = [json.loads(line.split("] ", 1)[1])["materialization"] for line in lines if '{"materialization"' in line]
     assert len(reported) == 1, "\n".join(lines[-40:])
@@ -107,7 +147,9 @@ def test_zero2_two_processes_train_merge_export_and_answer(zero2, inputs):
 
 @pytest.mark.slow
 def test_zero3_with_packing_and_checkpointing_trains_merges_from_partitions_and_answers(inputs, tmp_path):
-    result = train(inputs, tmp_path, config(inputs, zero_stage=3, packing=True, pack_tokens=512, gradient_checkpointing=True))
+    result = train(
+        inputs, tmp_path, config(inputs, zero_stage=3, packing=True, pack_tokens=512, gradient_checkpointing=True)
+    )
     check_trained_and_exported(result, tmp_path / "out", inputs)
 
 
@@ -119,11 +161,14 @@ def test_sigkill_mid_training_resumes_at_the_same_step_and_loss_curve(zero2, inp
     uninterrupted, _ = zero2
     cfg = config(inputs)
     run = run_file(inputs, tmp_path, cfg)
-    script = ("import sys; from vlm_assets.launch import LaunchSpec, run_local; "
-              f"run_local(LaunchSpec('vlm_assets.train.visualchat_train', ('--config', {str(run)!r}), nproc_per_node=2, "
-              "timeout_s=600))")
-    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    script = (
+        "import sys; from vlm_assets.launch import LaunchSpec, run_local; "
+        f"run_local(LaunchSpec('vlm_assets.train.visualchat_train', ('--config', {str(run)!r}), nproc_per_node=2, "
+        "timeout_s=600))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     committed = tmp_path / "store" / "checkpoints" / "visualchat" / "step-00000003"
     deadline = time.monotonic() + 300
     while not committed.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -136,8 +181,12 @@ def test_sigkill_mid_training_resumes_at_the_same_step_and_loss_curve(zero2, inp
     resumed = train(inputs, tmp_path, cfg)
     assert resumed["resumed_from_step"] == 3 and resumed["steps"] == 6
     assert [h["step"] for h in resumed["history"]] == list(range(1, 7))
-    torch.testing.assert_close(torch.tensor([h["loss"] for h in resumed["history"]]),
-                               torch.tensor([h["loss"] for h in uninterrupted["history"]]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor([h["loss"] for h in resumed["history"]]),
+        torch.tensor([h["loss"] for h in uninterrupted["history"]]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 # -- bad input: before any training ----------------------------------------------------------------
@@ -150,12 +199,25 @@ def _jsonl(tmp_path: Path, *records) -> Path:
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
 
-@pytest.mark.parametrize("record, error", [
-    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "nope.png"}]},
-                   {"role": "assistant", "content": "x"}]}, "image file .*nope.png does not exist"),
-    ({"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "unknown role 'robot'"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
-])
+@pytest.mark.parametrize(
+    "record, error",
+    [
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image", "image": "nope.png"}]},
+                    {"role": "assistant", "content": "x"},
+                ]
+            },
+            "image file .*nope.png does not exist",
+        ),
+        (
+            {"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+            "unknown role 'robot'",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+    ],
+)
 def test_a_bad_chat_record_names_file_and_line(tmp_path, record, error):
     path = _jsonl(tmp_path, GOOD, record)
     with pytest.raises((ValueError, FileNotFoundError), match=f"{path}:2: {error}"):
@@ -164,16 +226,23 @@ def test_a_bad_chat_record_names_file_and_line(tmp_path, record, error):
 
 def test_more_images_than_max_images_names_file_and_line(tmp_path, offline_data):
     image = str(sorted((offline_data / "cifar10-samples").glob("*.png"))[0])
-    record = {"messages": [{"role": "user", "content": [{"type": "image", "image": image}] * 3},
-                           {"role": "assistant", "content": "three"}]}
+    record = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "image": image}] * 3},
+            {"role": "assistant", "content": "three"},
+        ]
+    }
     path = _jsonl(tmp_path, record)
     with pytest.raises(ValueError, match=f"{path}:1: 3 images, more than max_images 2"):
         vd.read_chat_jsonl(path, max_images=2)
 
 
 def test_more_tokens_than_max_length_fails_before_training(tmp_path, inputs):
-    path = _jsonl(tmp_path, GOOD, {"messages": [{"role": "user", "content": "word " * 300},
-                                                {"role": "assistant", "content": "ok"}]})
+    path = _jsonl(
+        tmp_path,
+        GOOD,
+        {"messages": [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]},
+    )
     cfg = config(inputs, chat_datasets={str(path): None}, max_length=128)
     from vlm_assets.train.visualchat_train import build_model, build_samples
 
@@ -198,12 +267,21 @@ def test_images_by_http_url_load_like_the_same_files(tmp_path, offline_data):
 
     files = sorted((offline_data / "cifar10-samples").glob("*.png"))[:2]
     with serve_directory(files[0].parent) as (base, requests):
-        record = {"messages": [{"role": "user", "content": [{"type": "image", "image": f"{base}/{f.name}"} for f in files]
-                                + [{"type": "text", "text": "Which one is a cat?"}]},
-                               {"role": "assistant", "content": "Image 2"}]}
+        record = {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "image": f"{base}/{f.name}"} for f in files]
+                    + [{"type": "text", "text": "Which one is a cat?"}],
+                },
+                {"role": "assistant", "content": "Image 2"},
+            ]
+        }
         (loaded,) = vd.read_chat_jsonl(_jsonl(tmp_path, record), max_images=8)
         pixels = torch.stack([vd.load_image(ref, 64) for ref in loaded.images])
-    assert loaded.images == [f"{base}/{f.name}" for f in files] and sorted(requests) == sorted(f"/{f.name}" for f in files)
+    assert loaded.images == [f"{base}/{f.name}" for f in files] and sorted(requests) == sorted(
+        f"/{f.name}" for f in files
+    )
     assert torch.equal(pixels, torch.stack([vd.load_image(str(f), 64) for f in files]))
 
 
@@ -244,7 +322,9 @@ class Terminal:
         deadline = time.monotonic() + timeout
         while self.screen.count(marker) < count:
             if time.monotonic() > deadline:
-                raise AssertionError(f"no {marker!r} (x{count}) on the terminal after {timeout} s:\n{self.screen[-2000:]}")
+                raise AssertionError(
+                    f"no {marker!r} (x{count}) on the terminal after {timeout} s:\n{self.screen[-2000:]}"
+                )
             if poll.poll(500):
                 self.screen += os.read(self.fd, 4096).decode(errors="replace")
         return self.screen
@@ -282,10 +362,15 @@ def test_the_chat_cli_answers_a_two_image_two_round_conversation_in_a_terminal(z
 
 def test_a_sample_longer_than_the_decoders_positions_fails_naming_them(tmp_path, inputs, offline_data):
     gpt2 = tiny_decoder(tmp_path / "gpt2", offline_data, "gpt2")
-    path = _jsonl(tmp_path, GOOD, {"messages": [{"role": "user", "content": "word " * 1100},
-                                                {"role": "assistant", "content": "ok"}]})
+    path = _jsonl(
+        tmp_path,
+        GOOD,
+        {"messages": [{"role": "user", "content": "word " * 1100}, {"role": "assistant", "content": "ok"}]},
+    )
     cfg = config(inputs, decoder=str(gpt2), chat_datasets={str(path): None}, max_length=4096)
     from vlm_assets.train.visualchat_train import build_model, build_samples
 
-    with pytest.raises(ValueError, match=f"{path}:2: .*more than max_length 1024 \\(the decoder .* has 1024 positions\\)"):
+    with pytest.raises(
+        ValueError, match=f"{path}:2: .*more than max_length 1024 \\(the decoder .* has 1024 positions\\)"
+    ):
         build_samples(cfg, build_model(cfg), None)

@@ -32,28 +32,44 @@ from vlm_assets.storage import ArtifactRef
 
 class OcclusionManifestsConfig(AssetConfig):
     source: Literal["cifar10", "fashion_mnist", "image_folder"] = Field(
-        default="cifar10", description="Image source: the CIFAR-10 python tarball, Fashion-MNIST idx files, "
-        "or a folder with train/ and test/ sub-folders of one folder per class.")
+        default="cifar10",
+        description="Image source: the CIFAR-10 python tarball, Fashion-MNIST idx files, "
+        "or a folder with train/ and test/ sub-folders of one folder per class.",
+    )
     source_uri: str | None = Field(
-        default=None, description="URL or local path of the source; unset = the official URL "
-        "(CIFAR-10 tarball / Fashion-MNIST directory). Required for image_folder.")
+        default=None,
+        description="URL or local path of the source; unset = the official URL "
+        "(CIFAR-10 tarball / Fashion-MNIST directory). Required for image_folder.",
+    )
     source_md5: str | None = Field(
-        default=None, description="Expected md5 of the CIFAR-10 tarball; unset = the official one for the official URL.")
+        default=None, description="Expected md5 of the CIFAR-10 tarball; unset = the official one for the official URL."
+    )
     num_train: int | None = Field(default=None, ge=1, description="Train images (class-balanced, seeded); unset = all.")
-    num_validation: int | None = Field(default=None, ge=1, description=(
-        "Validation images (class-balanced, seeded) from the source's test split; unset = all."))
+    num_validation: int | None = Field(
+        default=None,
+        ge=1,
+        description=("Validation images (class-balanced, seeded) from the source's test split; unset = all."),
+    )
     train_box_min: float = Field(default=0.22, description="Smallest train box side, as a fraction of the image side.")
     train_box_max: float = Field(default=0.42, description="Largest train box side, as a fraction of the image side.")
     validation_box_min: float = Field(default=0.28, description="Smallest validation box side fraction.")
     validation_box_max: float = Field(default=0.45, description="Largest validation box side fraction.")
     seed: int = Field(default=7, description="Seeds subset choice and boxes: same config, byte-identical manifests.")
-    resize_to: int | None = Field(default=None, ge=1, description="image_folder only: resize every image to this square side.")
-    validation_fraction: float = Field(default=0.1, gt=0, lt=1, description=(
-        "image_folder with only train/: the seeded share of each class held out as the validation split."))
+    resize_to: int | None = Field(
+        default=None, ge=1, description="image_folder only: resize every image to this square side."
+    )
+    validation_fraction: float = Field(
+        default=0.1,
+        gt=0,
+        lt=1,
+        description=("image_folder with only train/: the seeded share of each class held out as the validation split."),
+    )
 
     def box_bounds(self) -> dict[str, BoxBounds]:
-        return {split: BoxBounds(getattr(self, f"{split}_box_min"), getattr(self, f"{split}_box_max"))
-                for split in ("train", "validation")}
+        return {
+            split: BoxBounds(getattr(self, f"{split}_box_min"), getattr(self, f"{split}_box_max"))
+            for split in ("train", "validation")
+        }
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -70,9 +86,15 @@ class OcclusionManifestsConfig(AssetConfig):
 
 
 class BalanceCheckConfig(ProfileDefaults, dg.Config):
-    balance_tolerance: float = Field(default=0.1, ge=0, lt=1, description=(
-        "Each class's share may deviate this much (relative) from 1/num_classes where a balanced subset "
-        "was asked for (num_train / num_validation set)."))
+    balance_tolerance: float = Field(
+        default=0.1,
+        ge=0,
+        lt=1,
+        description=(
+            "Each class's share may deviate this much (relative) from 1/num_classes where a balanced subset "
+            "was asked for (num_train / num_validation set)."
+        ),
+    )
 
 
 def load_source(config: OcclusionManifestsConfig, log) -> ImageSource:
@@ -87,15 +109,17 @@ def load_source(config: OcclusionManifestsConfig, log) -> ImageSource:
             files = [fetch(uri.rstrip("/") + "/" + name, downloads, log=log) for name in fashion_mnist_files()]
             return load_fashion_mnist(files[0].parent)
         return load_fashion_mnist(fetch(uri, downloads))
-    return load_image_folder(fetch(config.source_uri, downloads), resize_to=config.resize_to,
-                             validation_fraction=config.validation_fraction, seed=config.seed, log=log)
+    return load_image_folder(
+        fetch(config.source_uri, downloads),
+        resize_to=config.resize_to,
+        validation_fraction=config.validation_fraction,
+        seed=config.seed,
+        log=log,
+    )
 
 
 @dg.asset(
-    code_version="2",
-    kinds={"python", "numpy"},
-    group_name="data",
-    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+    code_version="2", kinds={"python", "numpy"}, group_name="data", retry_policy=dg.RetryPolicy(max_retries=2, delay=5)
 )
 def occlusion_manifests(
     context: dg.AssetExecutionContext,
@@ -107,12 +131,18 @@ def occlusion_manifests(
     validation 28-45 % of each side by default), as ``train.jsonl`` / ``validation.jsonl`` manifests
     (image ref, label, prompt, box in pixels) plus the clean images packed at source resolution.
     Read them for training with ``vlm_assets.data.occlusion_dataset.OcclusionDataset``."""
+
     def build(staging: Path, run: TrackedRun) -> Built:
         source = load_source(config, context.log.info)
         bounds = config.box_bounds()
         summary = write_occlusion_manifests(
-            source, staging, num_train=config.num_train, num_validation=config.num_validation,
-            train_box=bounds["train"], validation_box=bounds["validation"], seed=config.seed,
+            source,
+            staging,
+            num_train=config.num_train,
+            num_validation=config.num_validation,
+            train_box=bounds["train"],
+            validation_box=bounds["validation"],
+            seed=config.seed,
         )
         splits = summary["splits"]
         preview = staging / "preview.png"
@@ -121,10 +151,15 @@ def occlusion_manifests(
         return Built(
             scan=occlusion_checks.scan(staging, bounds),
             metrics={"num_train": splits["train"]["num_images"], "num_validation": splits["validation"]["num_images"]},
-            metadata={"dataset": summary["name"], "class_names": ", ".join(summary["class_names"]),
-                      "image_size": f"{splits['train']['width']}x{splits['train']['height']}x{splits['train']['channels']}"},
-            markdown={"preview": "![first training images with their boxes](data:image/png;base64,"
-                                 f"{base64.b64encode(preview.read_bytes()).decode()})"},
+            metadata={
+                "dataset": summary["name"],
+                "class_names": ", ".join(summary["class_names"]),
+                "image_size": f"{splits['train']['width']}x{splits['train']['height']}x{splits['train']['channels']}",
+            },
+            markdown={
+                "preview": "![first training images with their boxes](data:image/png;base64,"
+                f"{base64.b64encode(preview.read_bytes()).decode()})"
+            },
         )
 
     return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build)
@@ -166,12 +201,15 @@ def counts_match_config(occlusion_manifests: ArtifactRef, artifact_store: Artifa
     """Row counts equal num_train / num_validation (when set) and the artifact's own summary."""
     config = _config(occlusion_manifests)
     scanned, source = _scan(occlusion_manifests, artifact_store)
-    return check_result(occlusion_checks.counts_match(scanned, {"train": config.num_train,
-                                                                "validation": config.num_validation}), source)
+    return check_result(
+        occlusion_checks.counts_match(scanned, {"train": config.num_train, "validation": config.num_validation}), source
+    )
 
 
 @dg.asset_check(asset=occlusion_manifests, blocking=True)
-def every_image_readable(occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
+def every_image_readable(
+    occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource
+) -> dg.AssetCheckResult:
     """Every image a manifest row references exists, decodes, and has the size the row states."""
     scanned, source = _scan(occlusion_manifests, artifact_store)
     return check_result(occlusion_checks.images_readable(scanned), source)

@@ -15,16 +15,22 @@ from vlm_assets.storage import ArtifactRef
 
 class TokenShardsConfig(AssetConfig):
     source: Literal["hf", "text_files"] = Field(
-        default="hf", description="A Hugging Face dataset (hf_* fields) or local text files (text_glob).")
+        default="hf", description="A Hugging Face dataset (hf_* fields) or local text files (text_glob)."
+    )
     hf_dataset: str = Field(default="wikitext", description="Hugging Face dataset id.")
     hf_config: str | None = Field(default="wikitext-103-raw-v1", description="Dataset config name.")
     hf_train_split: str = Field(default="train", description="Split read for training shards.")
     hf_val_split: str = Field(default="validation", description="Split read for validation shards.")
     text_column: str = Field(default="text", description="Column holding the text.")
     text_glob: str | None = Field(
-        default=None, description="text_files: glob of UTF-8 files (** allowed); paragraphs are documents.")
-    val_fraction: float = Field(default=0.05, gt=0, lt=1, description="text_files: share of documents held out for val (seeded).")
-    tokenizer: str = Field(default="gpt2", description="GPT-2 BPE: hub id or local directory (vocab.json + merges.txt).")
+        default=None, description="text_files: glob of UTF-8 files (** allowed); paragraphs are documents."
+    )
+    val_fraction: float = Field(
+        default=0.05, gt=0, lt=1, description="text_files: share of documents held out for val (seeded)."
+    )
+    tokenizer: str = Field(
+        default="gpt2", description="GPT-2 BPE: hub id or local directory (vocab.json + merges.txt)."
+    )
     max_length: int = Field(default=1024, ge=2, description="Tokens per block (sample); documents are joined with EOS.")
     max_train_samples: int | None = Field(default=None, ge=1, description="Cap on train blocks; unset = all.")
     max_val_samples: int | None = Field(default=None, ge=1, description="Cap on val blocks; unset = all.")
@@ -54,6 +60,7 @@ def token_shards(
     tokens (no padding), written as MosaicML MDS shards (``train/``, ``val/``; columns ``input_ids`` and
     ``labels`` as int32) plus the tokenizer. Stream it back with
     ``vlm_assets.data.token_stream.build_token_dataloaders``."""
+
     def build(staging: Path, run: TrackedRun) -> Built:
         from vlm_assets.data import token_checks
         from vlm_assets.data.token_shards import (
@@ -66,14 +73,23 @@ def token_shards(
 
         tokenizer = load_gpt2_tokenizer(config.tokenizer)
         if config.source == "text_files":
-            train_docs, val_docs = split_documents(paragraphs_of_files(config.text_glob), config.val_fraction, config.seed)
+            train_docs, val_docs = split_documents(
+                paragraphs_of_files(config.text_glob), config.val_fraction, config.seed
+            )
         else:
             train_docs = hf_documents(config.hf_dataset, config.hf_config, config.hf_train_split, config.text_column)
             val_docs = hf_documents(config.hf_dataset, config.hf_config, config.hf_val_split, config.text_column)
         summary = write_token_shards(
-            staging, tokenizer, config.tokenizer, train_docs, val_docs, max_length=config.max_length,
-            max_train_samples=config.max_train_samples, max_val_samples=config.max_val_samples,
-            size_limit=config.shard_size_limit, log=context.log.info,
+            staging,
+            tokenizer,
+            config.tokenizer,
+            train_docs,
+            val_docs,
+            max_length=config.max_length,
+            max_train_samples=config.max_train_samples,
+            max_val_samples=config.max_val_samples,
+            size_limit=config.shard_size_limit,
+            log=context.log.info,
         )
         splits = summary["splits"]
         return Built(

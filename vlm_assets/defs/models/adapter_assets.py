@@ -29,14 +29,15 @@ class OcclusionAdapterConfig(AdapterTrainConfig, AssetConfig):
 
 def preflight(config: OcclusionAdapterConfig, manifests: Path) -> None:
     """Bad rows fail the step at once (no retries), naming the manifest line."""
-    from vlm_assets.train.adapter_module import OcclusionSamples
+    from vlm_assets.data.occlusion_dataset import OcclusionSamples
 
     for split, limit in (("train", config.num_train), ("validation", config.num_validation)):
         OcclusionSamples(manifests, split, config.image_size, limit).check_images()
 
 
-def resolve_backbone(config: OcclusionAdapterConfig, store: ArtifactStore, manifests: ArtifactRef,
-                     visualchat: ArtifactRef | None, log) -> str:
+def resolve_backbone(
+    config: OcclusionAdapterConfig, store: ArtifactStore, manifests: ArtifactRef, visualchat: ArtifactRef | None, log
+) -> str:
     """The backbone to load: the configured hub id / directory, the graph's VisualChat model, or the
     memoized tiny clean-task backbone."""
     if visualchat is not None:
@@ -46,8 +47,12 @@ def resolve_backbone(config: OcclusionAdapterConfig, store: ArtifactStore, manif
     from vlm_assets.models.tiny_qwen import build_tiny_qwen
     from vlm_assets.train.clean_backbone import train_clean_backbone
 
-    key = "backbones/tiny-clean/" + cache_key("tiny-clean", "1", {"image_size": config.image_size,
-                                              "steps": config.clean_backbone_steps}, {"manifests": manifests.data_version})
+    key = "backbones/tiny-clean/" + cache_key(
+        "tiny-clean",
+        "1",
+        {"image_size": config.image_size, "steps": config.clean_backbone_steps},
+        {"manifests": manifests.data_version},
+    )
     if not store.exists(key):
         log(f"teaching a tiny Qwen2.5-VL the clean task ({config.clean_backbone_steps} steps) -> {key}")
         root = store.local_path(manifests.key)
@@ -55,8 +60,9 @@ def resolve_backbone(config: OcclusionAdapterConfig, store: ArtifactStore, manif
         names = json.loads((root / "dataset.json").read_text())["class_names"]
         with store.staging_dir(key) as staging:
             tiny = build_tiny_qwen(staging / "init", [rows[0]["prompt"]] + names * 20)
-            train_clean_backbone(tiny, root, staging / "model", image_size=config.image_size,
-                                 steps=config.clean_backbone_steps)
+            train_clean_backbone(
+                tiny, root, staging / "model", image_size=config.image_size, steps=config.clean_backbone_steps
+            )
             shutil.rmtree(tiny)
             store.commit(key, staging, metadata={"image_size": config.image_size})
     return str(store.local_path(key) / "model")
@@ -64,11 +70,22 @@ def resolve_backbone(config: OcclusionAdapterConfig, store: ArtifactStore, manif
 
 # `visualchat_model` is read only when the config says `backbone: visualchat`: a `deps` edge, so an
 # adapter on another backbone neither waits for VisualChat nor rebuilds when it changes.
-@dg.asset(code_version="1", kinds={"pytorch", "lightning"}, group_name="models", pool=TRAINING_POOL,
-          retry_policy=dg.RetryPolicy(max_retries=2, delay=2), deps=["visualchat_model"])
-def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapterConfig,
-                      occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource,
-                      mlflow: MlflowTrackingResource, launcher: TrainingLauncher) -> dg.Output[ArtifactRef]:
+@dg.asset(
+    code_version="1",
+    kinds={"pytorch", "lightning"},
+    group_name="models",
+    pool=TRAINING_POOL,
+    retry_policy=dg.RetryPolicy(max_retries=2, delay=2),
+    deps=["visualchat_model"],
+)
+def occlusion_adapter(
+    context: dg.AssetExecutionContext,
+    config: OcclusionAdapterConfig,
+    occlusion_manifests: ArtifactRef,
+    artifact_store: ArtifactStoreResource,
+    mlflow: MlflowTrackingResource,
+    launcher: TrainingLauncher,
+) -> dg.Output[ArtifactRef]:
     """A 10,532-parameter residual Conv2d adapter trained in front of a frozen VLM (a Qwen2.5-VL, or the
     graph's merged VisualChat model) so it answers correctly on occluded images: LM loss on the answer
     tokens + 0.35 x masked L1 to the clean image. Contains ``adapter.safetensors``, ``backbone.json``
@@ -81,23 +98,36 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
     key = artifact_key(context, config, upstream)
 
     def build(staging: Path, run: TrackedRun) -> Built:
+        from vlm_assets.data.occlusion_dataset import OcclusionSamples
         from vlm_assets.models.frozen_vlm import check_prompt_lengths
-        from vlm_assets.train.adapter_module import OcclusionSamples
 
         manifests = store.local_path(occlusion_manifests.key)
         preflight(config, manifests)
-        backbone = resolve_backbone(config, store, occlusion_manifests, upstream.get("visualchat_model"), context.log.info)
-        check_prompt_lengths(backbone, OcclusionSamples(manifests, "train", config.image_size, None).images.rows,
-                             config.image_size, config.max_length, str(manifests / "train.jsonl"))
+        backbone = resolve_backbone(
+            config, store, occlusion_manifests, upstream.get("visualchat_model"), context.log.info
+        )
+        check_prompt_lengths(
+            backbone,
+            OcclusionSamples(manifests, "train", config.image_size, None).images.rows,
+            config.image_size,
+            config.max_length,
+            str(manifests / "train.jsonl"),
+        )
         work = Path(tempfile.mkdtemp(prefix="adapter-", dir=runs_dir()))
         try:
-            paths = RunPaths(inputs={"occlusion_manifests": str(manifests), "backbone": backbone}, out_dir=str(staging),
-                             cache_dir=str(work), checkpoint_store=artifact_store.spec(),
-                             checkpoint_prefix=f"checkpoints/{key}", mlflow_tracking_uri=mlflow.tracking_uri,
-                             mlflow_run_id=run.run_id)
+            paths = RunPaths(
+                inputs={"occlusion_manifests": str(manifests), "backbone": backbone},
+                out_dir=str(staging),
+                cache_dir=str(work),
+                checkpoint_store=artifact_store.spec(),
+                checkpoint_prefix=f"checkpoints/{key}",
+                mlflow_tracking_uri=mlflow.tracking_uri,
+                mlflow_run_id=run.run_id,
+            )
             write_run_file(work / "run.json", config, paths)
-            spec = config.launch_spec("vlm_assets.train.adapter_train", ("--config", str(work / "run.json")),
-                                      name="occlusion_adapter")
+            spec = config.launch_spec(
+                "vlm_assets.train.adapter_train", ("--config", str(work / "run.json")), name="occlusion_adapter"
+            )
             try:
                 reports = launcher.launch(context, spec)
                 values = {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}
@@ -106,20 +136,34 @@ def occlusion_adapter(context: dg.AssetExecutionContext, config: OcclusionAdapte
                 last_try = context.retry_number >= occlusion_adapter.op.retry_policy.max_retries
                 if not (config.materialize_partial_on_failure and last_try):
                     raise
-                context.log.warning("training failed for good; materializing the last checkpoint as partial: "
-                                    f"{failure.description}")
+                context.log.warning(
+                    f"training failed for good; materializing the last checkpoint as partial: {failure.description}"
+                )
                 values = partial_from_checkpoint(store, f"checkpoints/{key}", staging)
                 partial = True
         finally:
             shutil.rmtree(work, ignore_errors=True)
         rows = [json.loads(line) for line in (manifests / "train.jsonl").read_text().splitlines()[:1]]
-        (staging / "backbone.json").write_text(json.dumps({
-            "backbone": backbone, "image_size": config.image_size, "max_length": config.max_length, "prompt": rows[0]["prompt"],
-            "adapter_steps": config.adapter_steps}))
-        return Built(metrics={k: float(v) for k, v in values.items() if isinstance(v, (int, float))},
-                     metadata={"backbone": backbone, "partial": partial}, scan=weights_scan(staging))
+        (staging / "backbone.json").write_text(
+            json.dumps(
+                {
+                    "backbone": backbone,
+                    "image_size": config.image_size,
+                    "max_length": config.max_length,
+                    "prompt": rows[0]["prompt"],
+                    "adapter_steps": config.adapter_steps,
+                }
+            )
+        )
+        return Built(
+            metrics={k: float(v) for k, v in values.items() if isinstance(v, (int, float))},
+            metadata={"backbone": backbone, "partial": partial},
+            scan=weights_scan(staging),
+        )
 
-    return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream)
+    return materialize_memoized(
+        context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream
+    )
 
 
 def partial_from_checkpoint(store: ArtifactStore, prefix: str, staging: Path) -> dict:
@@ -137,8 +181,12 @@ def partial_from_checkpoint(store: ArtifactStore, prefix: str, staging: Path) ->
     save_file(weights, str(staging / "adapter.safetensors"))
     epochs = checkpoint["callbacks"]["EpochHistory"]["epochs"]
     (staging / "history.json").write_text(json.dumps({"epochs": epochs, "resumed_from_epoch": None, "partial": True}))
-    return {"epochs": len(epochs), "gate": float(weights["gate"]), "resumed_from_epoch": -1,
-            **{k.replace("/", "_"): v for k, v in epochs[-1].items() if isinstance(v, float)}}
+    return {
+        "epochs": len(epochs),
+        "gate": float(weights["gate"]),
+        "resumed_from_epoch": -1,
+        **{k.replace("/", "_"): v for k, v in epochs[-1].items() if isinstance(v, float)},
+    }
 
 
 @dg.asset_check(asset=occlusion_adapter, blocking=True)
@@ -147,8 +195,11 @@ def adapter_training_complete(occlusion_adapter: ArtifactRef) -> dg.AssetCheckRe
     after training failed for good) fails here, so eval and registration never use it."""
     partial = bool(occlusion_adapter.metadata["metadata"].get("partial"))
     epochs = occlusion_adapter.metadata["metrics"].get("epochs")
-    return dg.AssetCheckResult(passed=not partial, metadata={"partial": partial, "epochs": epochs},
-                               description="partial: training failed for good" if partial else "complete")
+    return dg.AssetCheckResult(
+        passed=not partial,
+        metadata={"partial": partial, "epochs": epochs},
+        description="partial: training failed for good" if partial else "complete",
+    )
 
 
 def weights_scan(root: Path) -> dict:
@@ -157,16 +208,23 @@ def weights_scan(root: Path) -> dict:
     from safetensors.torch import load_file
 
     weights = load_file(str(root / "adapter.safetensors"))
-    return {"non_finite": [name for name, t in weights.items() if not torch.isfinite(t).all()],
-            "gate": float(weights["gate"]), "num_parameters": sum(t.numel() for t in weights.values())}
+    return {
+        "non_finite": [name for name, t in weights.items() if not torch.isfinite(t).all()],
+        "gate": float(weights["gate"]),
+        "num_parameters": sum(t.numel() for t in weights.values()),
+    }
 
 
 @dg.asset_check(asset=occlusion_adapter, blocking=True)
-def adapter_weights_finite(occlusion_adapter: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
+def adapter_weights_finite(
+    occlusion_adapter: ArtifactRef, artifact_store: ArtifactStoreResource
+) -> dg.AssetCheckResult:
     """The gate and every adapter weight are finite (read when built; on a hit, judged from that
     record after a size check: ``defs/platform/checks.py``)."""
     scanned, source = artifact_scan(occlusion_adapter, artifact_store.get_store(), weights_scan)
     bad = scanned["non_finite"]
-    return dg.AssetCheckResult(passed=not bad, description=f"non-finite: {bad}" if bad else "all finite",
-                               metadata={"gate": scanned["gate"], "num_parameters": scanned["num_parameters"],
-                                         "scan": source})
+    return dg.AssetCheckResult(
+        passed=not bad,
+        description=f"non-finite: {bad}" if bad else "all finite",
+        metadata={"gate": scanned["gate"], "num_parameters": scanned["num_parameters"], "scan": source},
+    )

@@ -22,15 +22,27 @@ class EvalReportConfig(AssetConfig):
 
 
 class AccuracyCheckConfig(ProfileDefaults, dg.Config):
-    min_accuracy: float = Field(default=0.5, ge=0, le=1, description=(
-        "The 95 % Wilson lower bound of the exact-match accuracy with the adapter must reach this (a check "
-        "setting: changing it re-runs the check only)."))
+    min_accuracy: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description=(
+            "The 95 % Wilson lower bound of the exact-match accuracy with the adapter must reach this (a check "
+            "setting: changing it re-runs the check only)."
+        ),
+    )
 
 
 class GainCheckConfig(ProfileDefaults, dg.Config):
-    min_gain: float = Field(default=0.0, ge=-1, le=1, description=(
-        "The 95 % interval of the adapter's paired gain over the identity must lie above this (0: the "
-        "adapter significantly helps). A check setting: changing it re-runs the check only."))
+    min_gain: float = Field(
+        default=0.0,
+        ge=-1,
+        le=1,
+        description=(
+            "The 95 % interval of the adapter's paired gain over the identity must lie above this (0: the "
+            "adapter significantly helps). A check setting: changing it re-runs the check only."
+        ),
+    )
 
 
 def load_trained(store, adapter_ref: ArtifactRef):
@@ -44,9 +56,14 @@ def load_trained(store, adapter_ref: ArtifactRef):
 
 
 @dg.asset(code_version="1", kinds={"pytorch", "html"}, group_name="models")
-def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, occlusion_adapter: ArtifactRef,
-                occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource,
-                mlflow: MlflowTrackingResource) -> dg.Output[ArtifactRef]:
+def eval_report(
+    context: dg.AssetExecutionContext,
+    config: EvalReportConfig,
+    occlusion_adapter: ArtifactRef,
+    occlusion_manifests: ArtifactRef,
+    artifact_store: ArtifactStoreResource,
+    mlflow: MlflowTrackingResource,
+) -> dg.Output[ArtifactRef]:
     """Greedy decoding on the validation split: exact-match (and the seed's lenient) accuracy with the
     adapter, without it (identity) on the same occluded images, and on the clean images; per-class
     accuracy, confusion matrix, and ``report.html`` (self-contained: curves, tables, prediction cards)."""
@@ -56,38 +73,70 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, occ
     def build(staging: Path, run: TrackedRun) -> Built:
         import torch  # heavy imports only when building: a cache hit needs none of them
 
+        from vlm_assets.data.occlusion_dataset import OcclusionSamples, class_names
         from vlm_assets.evaluate.occlusion_eval import evaluate
         from vlm_assets.evaluate.report import accuracy_png, data_uri, html_report, markdown_table
-        from vlm_assets.train.adapter_module import OcclusionSamples, class_names
 
         backbone, adapter, info, root = load_trained(store, occlusion_adapter)
         manifests = store.local_path(occlusion_manifests.key)
         data = OcclusionSamples(manifests, "validation", info["image_size"], None)
-        result = evaluate(backbone, adapter, data, class_names(manifests), count=config.num_samples,
-                          batch_size=config.batch_size, log=context.log.info)
+        result = evaluate(
+            backbone,
+            adapter,
+            data,
+            class_names(manifests),
+            count=config.num_samples,
+            batch_size=config.batch_size,
+            log=context.log.info,
+        )
         summary = result.summary()
         cards = []
         with torch.no_grad():
             for i in range(min(config.num_cards, len(result.labels))):
                 item = data[i]
-                cards.append({"occluded": item["occluded"], "clean": item["clean"], "label": item["answer"],
-                              "restored": adapter(item["occluded"][None], item["mask"][None])[0],
-                              "predictions": {c: result.predictions[c][i] for c in result.predictions}})
+                cards.append(
+                    {
+                        "occluded": item["occluded"],
+                        "clean": item["clean"],
+                        "label": item["answer"],
+                        "restored": adapter(item["occluded"][None], item["mask"][None])[0],
+                        "predictions": {c: result.predictions[c][i] for c in result.predictions},
+                    }
+                )
         epochs = json.loads((root / "history.json").read_text())["epochs"]
         (staging / "report.html").write_text(html_report(result, epochs, cards, "Occlusion adapter evaluation"))
-        (staging / "eval.json").write_text(json.dumps({
-            **summary, **intervals(summary), "per_class": {c: result.per_class(c) for c in result.predictions},
-            "confusion_adapter": result.confusion("adapter").tolist()}, indent=1))
+        (staging / "eval.json").write_text(
+            json.dumps(
+                {
+                    **summary,
+                    **intervals(summary),
+                    "per_class": {c: result.per_class(c) for c in result.predictions},
+                    "confusion_adapter": result.confusion("adapter").tolist(),
+                },
+                indent=1,
+            )
+        )
         with open(staging / "predictions.jsonl", "w") as f:
             for i, y in enumerate(result.labels):
-                f.write(json.dumps({"label": result.class_names[y], **{c: result.predictions[c][i] for c in result.predictions}}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"label": result.class_names[y], **{c: result.predictions[c][i] for c in result.predictions}}
+                    )
+                    + "\n"
+                )
         run.log_artifact(str(staging / "report.html"))
         run.log_artifact(str(staging / "eval.json"))
-        return Built(metrics=summary,
-                     markdown={"summary": markdown_table(summary),
-                               "accuracy": f"![accuracy]({data_uri(accuracy_png(summary))})"})
+        return Built(
+            metrics=summary,
+            markdown={
+                "summary": markdown_table(summary),
+                "accuracy": f"![accuracy]({data_uri(accuracy_png(summary))})",
+            },
+        )
 
-    return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream)
+    return materialize_memoized(
+        context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream
+    )
 
 
 @dg.asset_check(asset=eval_report, blocking=True)
@@ -100,9 +149,17 @@ def adapter_accuracy_meets_threshold(config: AccuracyCheckConfig, eval_report: A
     return dg.AssetCheckResult(
         passed=bool(low >= bound),
         description=f"accuracy {accuracy:.1%} (95% CI lower bound {low:.1%}, n={n}) vs threshold {bound:.1%}"
-                    + (f" (chance {chance:.0%})" if chance is not None else "") + small_sample_note(n),
-        metadata={"accuracy_adapter": accuracy, "accuracy_adapter_ci95_low": low, "min_accuracy": bound,
-                  "num_samples": n, "too_few_samples": n < MIN_PAIRS, **({"chance": chance} if chance is not None else {})})
+        + (f" (chance {chance:.0%})" if chance is not None else "")
+        + small_sample_note(n),
+        metadata={
+            "accuracy_adapter": accuracy,
+            "accuracy_adapter_ci95_low": low,
+            "min_accuracy": bound,
+            "num_samples": n,
+            "too_few_samples": n < MIN_PAIRS,
+            **({"chance": chance} if chance is not None else {}),
+        },
+    )
 
 
 @dg.asset_check(asset=eval_report, blocking=True)
@@ -115,18 +172,30 @@ def adapter_gain_significant(config: GainCheckConfig, eval_report: ArtifactRef) 
     n = int(metrics["num_samples"])
     return dg.AssetCheckResult(
         passed=bool(low > config.min_gain),
-        description=f"adapter gain {gain:+.1%} (95% CI [{low:+.1%}, {high:+.1%}], McNemar p={metrics['adapter_gain_p_value']:.2g}, "
-                    f"n={n}) vs min_gain {config.min_gain:+.1%}" + small_sample_note(n),
-        metadata={"adapter_gain": gain, "adapter_gain_ci95_low": low, "adapter_gain_ci95_high": high,
-                  "adapter_gain_p_value": metrics["adapter_gain_p_value"], "wins": int(metrics["adapter_wins"]),
-                  "losses": int(metrics["adapter_losses"]), "min_gain": config.min_gain, "num_samples": n,
-                  "too_few_samples": n < MIN_PAIRS})
+        description=f"adapter gain {gain:+.1%} (95% CI [{low:+.1%}, {high:+.1%}], "
+        f"McNemar p={metrics['adapter_gain_p_value']:.2g}, n={n}) vs min_gain {config.min_gain:+.1%}"
+        + small_sample_note(n),
+        metadata={
+            "adapter_gain": gain,
+            "adapter_gain_ci95_low": low,
+            "adapter_gain_ci95_high": high,
+            "adapter_gain_p_value": metrics["adapter_gain_p_value"],
+            "wins": int(metrics["adapter_wins"]),
+            "losses": int(metrics["adapter_losses"]),
+            "min_gain": config.min_gain,
+            "num_samples": n,
+            "too_few_samples": n < MIN_PAIRS,
+        },
+    )
 
 
 def intervals(summary: dict[str, float]) -> dict[str, list[float]]:
     """The summary's flat ``<name>_ci95_low`` / ``_ci95_high`` pairs as ``<name>_ci95: [low, high]``."""
-    return {key.removesuffix("_low"): [value, summary[key.removesuffix("_low") + "_high"]]
-            for key, value in summary.items() if key.endswith("_ci95_low")}
+    return {
+        key.removesuffix("_low"): [value, summary[key.removesuffix("_low") + "_high"]]
+        for key, value in summary.items()
+        if key.endswith("_ci95_low")
+    }
 
 
 class RegisteredAdapterConfig(AssetConfig):
@@ -134,11 +203,20 @@ class RegisteredAdapterConfig(AssetConfig):
     alias: str = Field(default="champion", min_length=1, description="Alias pointed at this adapter's version.")
 
 
-@dg.asset(code_version="2", kinds={"mlflow"}, group_name="models", deps=[eval_report],
-          retry_policy=dg.RetryPolicy(max_retries=2, delay=5))
-def registered_adapter(context: dg.AssetExecutionContext, config: RegisteredAdapterConfig,
-                       occlusion_adapter: ArtifactRef, artifact_store: ArtifactStoreResource,
-                       mlflow: MlflowTrackingResource) -> dg.MaterializeResult:
+@dg.asset(
+    code_version="2",
+    kinds={"mlflow"},
+    group_name="models",
+    deps=[eval_report],
+    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+)
+def registered_adapter(
+    context: dg.AssetExecutionContext,
+    config: RegisteredAdapterConfig,
+    occlusion_adapter: ArtifactRef,
+    artifact_store: ArtifactStoreResource,
+    mlflow: MlflowTrackingResource,
+) -> dg.MaterializeResult:
     """The adapter as an MLflow pyfunc model (PNG + box -> label; models-from-code, safetensors weights,
     the backbone recorded, a signature and an input example) in the Model Registry, with ``alias``
     pointed at it. The registry, not a local cache, decides: a version is found by its weights' sha256,
@@ -159,9 +237,15 @@ def registered_adapter(context: dg.AssetExecutionContext, config: RegisteredAdap
     with mlflow.registry_errors():
         entry = register_once(mlflow.client(), config.model_name, config.alias, weights_sha, log_model, DESCRIPTION)
     context.log.info(f"{entry.name}@{entry.alias} -> v{entry.version} ({entry.action})")
-    return dg.MaterializeResult(metadata={
-        "model": f"models:/{entry.name}@{entry.alias}", "model_version": entry.version, "registry": entry.action,
-        "weights_sha256": weights_sha, "registry_uri": mlflow.tracking_uri})
+    return dg.MaterializeResult(
+        metadata={
+            "model": f"models:/{entry.name}@{entry.alias}",
+            "model_version": entry.version,
+            "registry": entry.action,
+            "weights_sha256": weights_sha,
+            "registry_uri": mlflow.tracking_uri,
+        }
+    )
 
 
 def log_adapter_model(run: TrackedRun, root: Path, tracking_uri: str):
@@ -173,14 +257,20 @@ def log_adapter_model(run: TrackedRun, root: Path, tracking_uri: str):
     from vlm_assets.models import adapter_pyfunc
 
     info = json.loads((root / "backbone.json").read_text())
-    signature = ModelSignature(inputs=Schema([ColSpec("string", "image"), ColSpec(Array("long"), "box")]),
-                               outputs=Schema([ColSpec("string", "label")]))
+    signature = ModelSignature(
+        inputs=Schema([ColSpec("string", "image"), ColSpec(Array("long"), "box")]),
+        outputs=Schema([ColSpec("string", "label")]),
+    )
     example = _input_example(info)
     mlflow_lib.set_tracking_uri(tracking_uri)
     with mlflow_lib.start_run(run_id=run.run_id):  # the signature above is the contract (adapter_pyfunc)
         logged = mlflow_lib.pyfunc.log_model(
-            name="model", python_model=str(Path(adapter_pyfunc.__file__).with_name("adapter_model.py")), signature=signature, input_example=example,
-            artifacts={"adapter": str(root / "adapter.safetensors"), "backbone": str(root / "backbone.json")})
+            name="model",
+            python_model=str(Path(adapter_pyfunc.__file__).with_name("adapter_model.py")),
+            signature=signature,
+            input_example=example,
+            artifacts={"adapter": str(root / "adapter.safetensors"), "backbone": str(root / "backbone.json")},
+        )
     return logged
 
 
@@ -192,5 +282,9 @@ def _input_example(info: dict):
     from vlm_assets.models.adapter_pyfunc import png_b64
 
     side = info["image_size"]
-    return pd.DataFrame({"image": [png_b64(np.full((side, side, 3), 128, np.uint8))],
-                         "box": [[side // 4, side // 4, side // 2, side // 2]]})
+    return pd.DataFrame(
+        {
+            "image": [png_b64(np.full((side, side, 3), 128, np.uint8))],
+            "box": [[side // 4, side // 4, side // 2, side // 2]],
+        }
+    )

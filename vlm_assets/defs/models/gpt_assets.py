@@ -36,8 +36,11 @@ class GPTCheckpointConfig(PretrainConfig, AssetConfig):
 
 
 class ValLossCheckConfig(ProfileDefaults, dg.Config):
-    min_val_loss_gain: float = Field(default=1.0, ge=0, description=(
-        "Val loss must be at least this many nats below ln(vocab size) (the loss of a uniform guess)."))
+    min_val_loss_gain: float = Field(
+        default=1.0,
+        ge=0,
+        description=("Val loss must be at least this many nats below ln(vocab size) (the loss of a uniform guess)."),
+    )
 
 
 @dg.asset(
@@ -62,7 +65,6 @@ def gpt_checkpoint(
     intact checkpoint of the same inputs."""
     upstream = {"token_shards": token_shards}
     key = artifact_key(context, config, upstream)
-    store = artifact_store.get_store()
 
     def build(staging: Path, run: TrackedRun) -> Built:
         work = Path(tempfile.mkdtemp(prefix="gpt-", dir=runs_dir()))
@@ -74,9 +76,15 @@ def gpt_checkpoint(
     def _train(work: Path, staging: Path, run: TrackedRun) -> Built:
         from vlm_assets.train.plots import loss_curve_png
 
-        paths = RunPaths(inputs={"token_shards": token_shards.uri}, out_dir=str(staging), cache_dir=str(work),
-                         checkpoint_store=artifact_store.spec(), checkpoint_prefix=f"checkpoints/{key}",
-                         mlflow_tracking_uri=mlflow.tracking_uri, mlflow_run_id=run.run_id)
+        paths = RunPaths(
+            inputs={"token_shards": token_shards.uri},
+            out_dir=str(staging),
+            cache_dir=str(work),
+            checkpoint_store=artifact_store.spec(),
+            checkpoint_prefix=f"checkpoints/{key}",
+            mlflow_tracking_uri=mlflow.tracking_uri,
+            mlflow_run_id=run.run_id,
+        )
         write_run_file(work / "run.json", config, paths)
         spec = config.launch_spec(TRAINER_MODULE, ("--config", str(work / "run.json")), name="gpt_checkpoint")
         reports = launcher.launch(context, spec)
@@ -85,8 +93,11 @@ def gpt_checkpoint(
         values = {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}
         history = json.loads((staging / "history.json").read_text())
         vocab = json.loads((staging / "hf" / "config.json").read_text())["vocab_size"]
-        png = loss_curve_png(history, math.log(vocab), f"GPT {config.preset}, {config.strategy}, "
-                             f"{config.num_nodes}x{config.nproc_per_node} processes")
+        png = loss_curve_png(
+            history,
+            math.log(vocab),
+            f"GPT {config.preset}, {config.strategy}, {config.num_nodes}x{config.nproc_per_node} processes",
+        )
         (staging / "loss_curve.png").write_bytes(png)
         run.log_artifact(str(staging / "loss_curve.png"))
         return Built(
@@ -96,7 +107,9 @@ def gpt_checkpoint(
             markdown={"loss_curve": f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"},
         )
 
-    return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream)
+    return materialize_memoized(
+        context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream
+    )
 
 
 @dg.asset_check(asset=gpt_checkpoint, blocking=True)
@@ -127,16 +140,19 @@ def export_scan(root: Path, shards_uri: str) -> dict[str, float]:
 
 
 @dg.asset_check(asset=gpt_checkpoint, blocking=True, additional_ins={"token_shards": dg.AssetIn()})
-def export_reproduces_val_loss(gpt_checkpoint: ArtifactRef, token_shards: ArtifactRef,
-                               artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
+def export_reproduces_val_loss(
+    gpt_checkpoint: ArtifactRef, token_shards: ArtifactRef, artifact_store: ArtifactStoreResource
+) -> dg.AssetCheckResult:
     """The Hugging Face export, loaded with ``transformers`` alone (``GPT2LMHeadModel``), gives the
     trainer's loss on a fixed validation batch (within 1e-3 nats). Measured when the artifact is
     built; on a cache hit judged from that record after a size check (``defs/platform/checks.py``)."""
-    scanned, source = artifact_scan(gpt_checkpoint, artifact_store.get_store(),
-                                    lambda root: export_scan(root, token_shards.uri))
+    scanned, source = artifact_scan(
+        gpt_checkpoint, artifact_store.get_store(), lambda root: export_scan(root, token_shards.uri)
+    )
     loss, trainer = scanned["export_loss"], scanned["trainer_loss"]
     diff = abs(loss - trainer)
     return dg.AssetCheckResult(
-        passed=bool(diff < 1e-3), description=f"export loss {loss:.5f}, trainer loss {trainer:.5f}",
+        passed=bool(diff < 1e-3),
+        description=f"export loss {loss:.5f}, trainer loss {trainer:.5f}",
         metadata={"export_loss": loss, "trainer_loss": trainer, "abs_diff": diff, "scan": source},
     )

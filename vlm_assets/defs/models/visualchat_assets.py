@@ -43,9 +43,15 @@ class VisualChatAssetConfig(VisualChatTrainConfig, AssetConfig):
 
 
 class VQACheckConfig(ProfileDefaults, dg.Config):
-    min_exact_match: float = Field(default=0.5, ge=0, le=1, description=(
-        "The 95 % Wilson lower bound of the merged model's VQA exact match on held-out images must reach this "
-        "(a check setting: changing it re-runs the check only)."))
+    min_exact_match: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description=(
+            "The 95 % Wilson lower bound of the merged model's VQA exact match on held-out images must reach this "
+            "(a check setting: changing it re-runs the check only)."
+        ),
+    )
 
 
 @dg.asset(
@@ -88,23 +94,34 @@ def visualchat_model(
             inputs["decoder"] = str(store.local_path(upstream["gpt_checkpoint"].key) / "hf")
         work = Path(tempfile.mkdtemp(prefix="visualchat-", dir=runs_dir()))
         try:
-            paths = RunPaths(inputs=inputs, out_dir=str(staging), cache_dir=str(work), checkpoint_store=artifact_store.spec(),
-                             checkpoint_prefix=f"checkpoints/{key}", mlflow_tracking_uri=mlflow.tracking_uri,
-                             mlflow_run_id=run.run_id)
+            paths = RunPaths(
+                inputs=inputs,
+                out_dir=str(staging),
+                cache_dir=str(work),
+                checkpoint_store=artifact_store.spec(),
+                checkpoint_prefix=f"checkpoints/{key}",
+                mlflow_tracking_uri=mlflow.tracking_uri,
+                mlflow_run_id=run.run_id,
+            )
             write_run_file(work / "run.json", config, paths)
-            reports = launcher.launch(context, config.launch_spec(TRAINER_MODULE, ("--config", str(work / "run.json")),
-                                                                  name="visualchat_model"))
+            reports = launcher.launch(
+                context,
+                config.launch_spec(TRAINER_MODULE, ("--config", str(work / "run.json")), name="visualchat_model"),
+            )
         finally:
             shutil.rmtree(work, ignore_errors=True)
         if len(reports) != 1:
             raise RuntimeError(f"the trainer reported {len(reports)} materializations through Pipes, expected 1")
         values = {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}
-        return Built(metrics={k: float(v) for k, v in values.items() if isinstance(v, (int, float))},
-                     metadata={"decoder": inputs.get("decoder", config.decoder)},
-                     markdown=report_markdown(staging, run, config))
+        return Built(
+            metrics={k: float(v) for k, v in values.items() if isinstance(v, (int, float))},
+            metadata={"decoder": inputs.get("decoder", config.decoder)},
+            markdown=report_markdown(staging, run, config),
+        )
 
-    return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build,
-                                upstream=upstream)
+    return materialize_memoized(
+        context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream
+    )
 
 
 def report_markdown(staging: Path, run: TrackedRun, config: VisualChatAssetConfig) -> dict[str, str]:
@@ -112,10 +129,16 @@ def report_markdown(staging: Path, run: TrackedRun, config: VisualChatAssetConfi
     from vlm_assets.train.plots import loss_curve_png
 
     history = json.loads((staging / "history.json").read_text())
-    held_out = [{"step": 0, "loss": history["baseline_eval_loss"]}, {"step": history["steps"], "loss": history["eval_loss"]}]
-    png = loss_curve_png({"train": history["train"], "val": held_out}, history["baseline_eval_loss"],
-                         f"VisualChat: {config.encoder_kind} + {config.projection} + LoRA decoder, ZeRO-{config.zero_stage}",
-                         baseline_label="held-out loss untrained")
+    held_out = [
+        {"step": 0, "loss": history["baseline_eval_loss"]},
+        {"step": history["steps"], "loss": history["eval_loss"]},
+    ]
+    png = loss_curve_png(
+        {"train": history["train"], "val": held_out},
+        history["baseline_eval_loss"],
+        f"VisualChat: {config.encoder_kind} + {config.projection} + LoRA decoder, ZeRO-{config.zero_stage}",
+        baseline_label="held-out loss untrained",
+    )
     (staging / "loss_curve.png").write_bytes(png)
     run.log_artifact(str(staging / "loss_curve.png"))
     markdown = {"loss_curve": f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"}
@@ -125,8 +148,11 @@ def report_markdown(staging: Path, run: TrackedRun, config: VisualChatAssetConfi
         lines = ["| role | message |", "|---|---|"]
         for message in result["conversation"]:
             content = message["content"]
-            text = content if isinstance(content, str) else " ".join(
-                "[image]" if p["type"] == "image" else p["text"] for p in content)
+            text = (
+                content
+                if isinstance(content, str)
+                else " ".join("[image]" if p["type"] == "image" else p["text"] for p in content)
+            )
             lines.append(f"| {message['role']} | {text.replace('|', '/')} |")
         markdown["conversation"] = "\n".join(lines)
     return markdown
@@ -137,8 +163,11 @@ def eval_loss_beats_untrained(visualchat_model: ArtifactRef) -> dg.AssetCheckRes
     """The held-out loss after training is below the untrained model's (projection at init, LoRA zero)."""
     metrics = visualchat_model.metadata["metrics"]
     loss, baseline = metrics["eval_loss"], metrics["baseline_eval_loss"]
-    return dg.AssetCheckResult(passed=bool(loss < baseline), description=f"held-out loss {loss:.4f} vs untrained {baseline:.4f}",
-                               metadata={"eval_loss": loss, "baseline_eval_loss": baseline})
+    return dg.AssetCheckResult(
+        passed=bool(loss < baseline),
+        description=f"held-out loss {loss:.4f} vs untrained {baseline:.4f}",
+        metadata={"eval_loss": loss, "baseline_eval_loss": baseline},
+    )
 
 
 @dg.asset_check(asset=visualchat_model, blocking=True)
@@ -155,20 +184,30 @@ def vqa_exact_match_meets_threshold(config: VQACheckConfig, visualchat_model: Ar
     return dg.AssetCheckResult(
         passed=bool(low >= config.min_exact_match),
         description=f"exact match {match:.1%} (95% CI lower bound {low:.1%}) on {images} held-out images vs threshold "
-                    f"{config.min_exact_match:.1%} (chance {chance:.0%})"
-                    + (f"; in held-out phrasings {phrased:.1%}" if phrased is not None else "")
-                    + small_sample_note(images),
-        metadata={"vqa_exact_match": match, "vqa_exact_match_ci95_low": low, "chance": chance,
-                  "min_exact_match": config.min_exact_match, "num_images": images, "too_few_samples": images < MIN_PAIRS,
-                  **({"vqa_held_out_phrasings_exact_match": phrased} if phrased is not None else {})})
+        f"{config.min_exact_match:.1%} (chance {chance:.0%})"
+        + (f"; in held-out phrasings {phrased:.1%}" if phrased is not None else "")
+        + small_sample_note(images),
+        metadata={
+            "vqa_exact_match": match,
+            "vqa_exact_match_ci95_low": low,
+            "chance": chance,
+            "min_exact_match": config.min_exact_match,
+            "num_images": images,
+            "too_few_samples": images < MIN_PAIRS,
+            **({"vqa_held_out_phrasings_exact_match": phrased} if phrased is not None else {}),
+        },
+    )
 
 
 @dg.asset_check(asset=visualchat_model, blocking=True)
 def merged_equals_unmerged(visualchat_model: ArtifactRef) -> dg.AssetCheckResult:
     """Merging LoRA into the decoder changed no output by more than 1e-4 (logits on a fixed held-out batch)."""
     diff = visualchat_model.metadata["metrics"]["merge_max_abs_diff"]
-    return dg.AssetCheckResult(passed=bool(diff < 1e-4), description=f"largest logit difference {diff:.2e}",
-                               metadata={"merge_max_abs_diff": diff})
+    return dg.AssetCheckResult(
+        passed=bool(diff < 1e-4),
+        description=f"largest logit difference {diff:.2e}",
+        metadata={"merge_max_abs_diff": diff},
+    )
 
 
 class RegisteredVisualChatConfig(AssetConfig):
@@ -177,9 +216,13 @@ class RegisteredVisualChatConfig(AssetConfig):
 
 
 @dg.asset(code_version="1", kinds={"mlflow"}, group_name="models", retry_policy=dg.RetryPolicy(max_retries=2, delay=5))
-def registered_visualchat(context: dg.AssetExecutionContext, config: RegisteredVisualChatConfig,
-                          visualchat_model: ArtifactRef, artifact_store: ArtifactStoreResource,
-                          mlflow: MlflowTrackingResource) -> dg.MaterializeResult:
+def registered_visualchat(
+    context: dg.AssetExecutionContext,
+    config: RegisteredVisualChatConfig,
+    visualchat_model: ArtifactRef,
+    artifact_store: ArtifactStoreResource,
+    mlflow: MlflowTrackingResource,
+) -> dg.MaterializeResult:
     """The merged VisualChat model as an MLflow pyfunc (models-from-code: a question and base64 PNG images
     -> the answer) in the Model Registry, with ``alias`` pointed at it. As ``registered_adapter``: a version
     is found by the sha256 of the model's files, so the same model never makes a second version. Runs only
@@ -200,9 +243,15 @@ def registered_visualchat(context: dg.AssetExecutionContext, config: RegisteredV
     with mlflow.registry_errors():
         entry = register_once(mlflow.client(), config.model_name, config.alias, weights_sha, log_model, DESCRIPTION)
     context.log.info(f"{entry.name}@{entry.alias} -> v{entry.version} ({entry.action})")
-    return dg.MaterializeResult(metadata={
-        "model": f"models:/{entry.name}@{entry.alias}", "model_version": entry.version, "registry": entry.action,
-        "weights_sha256": weights_sha, "registry_uri": mlflow.tracking_uri})
+    return dg.MaterializeResult(
+        metadata={
+            "model": f"models:/{entry.name}@{entry.alias}",
+            "model_version": entry.version,
+            "registry": entry.action,
+            "weights_sha256": weights_sha,
+            "registry_uri": mlflow.tracking_uri,
+        }
+    )
 
 
 def combined_sha256(shas: dict[str, str]) -> str:
@@ -220,11 +269,17 @@ def log_visualchat_model(run: TrackedRun, root: Path, tracking_uri: str):
 
     from vlm_assets.models import visualchat_pyfunc
 
-    signature = ModelSignature(inputs=Schema([ColSpec("string", "question"), ColSpec(Array("string"), "images")]),
-                               outputs=Schema([ColSpec("string", "answer")]))
+    signature = ModelSignature(
+        inputs=Schema([ColSpec("string", "question"), ColSpec(Array("string"), "images")]),
+        outputs=Schema([ColSpec("string", "answer")]),
+    )
     example = pd.DataFrame({"question": ["What is shown?"], "images": [[visualchat_pyfunc.example_png()]]})
     mlflow_lib.set_tracking_uri(tracking_uri)
     with mlflow_lib.start_run(run_id=run.run_id):
         return mlflow_lib.pyfunc.log_model(
-            name="model", python_model=str(Path(visualchat_pyfunc.__file__).with_name("visualchat_model_code.py")),
-            signature=signature, input_example=example, artifacts={"model": str(root / "model")})
+            name="model",
+            python_model=str(Path(visualchat_pyfunc.__file__).with_name("visualchat_model_code.py")),
+            signature=signature,
+            input_example=example,
+            artifacts={"model": str(root / "model")},
+        )

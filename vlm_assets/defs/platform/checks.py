@@ -16,7 +16,9 @@ import dagster as dg
 from vlm_assets.storage import ArtifactRef, ArtifactStore
 
 
-def artifact_scan(ref: ArtifactRef, store: ArtifactStore, scan: Callable[[Path], dict[str, Any]]) -> tuple[dict[str, Any], str]:
+def artifact_scan(
+    ref: ArtifactRef, store: ArtifactStore, scan: Callable[[Path], dict[str, Any]]
+) -> tuple[dict[str, Any], str]:
     """The scan to judge and where it came from (recorded at build, or a full scan now and why)."""
     problems = store.quick_verify(ref.key)
     if not problems and "scan" in ref.metadata:
@@ -28,7 +30,8 @@ def artifact_scan(ref: ArtifactRef, store: ArtifactStore, scan: Callable[[Path],
 def check_result(outcome: Any, scanned_from: str) -> dg.AssetCheckResult:
     """A pure ``CheckOutcome`` as Dagster's result; ``warning`` outcomes do not block."""
     return dg.AssetCheckResult(
-        passed=outcome.passed, description=outcome.description,
+        passed=outcome.passed,
+        description=outcome.description,
         metadata={**outcome.metadata, "scan": scanned_from},
         severity=dg.AssetCheckSeverity.WARN if outcome.warning else dg.AssetCheckSeverity.ERROR,
     )

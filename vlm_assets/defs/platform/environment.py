@@ -46,8 +46,10 @@ def schedule_cron(env: Mapping[str, str] = os.environ) -> str:
 
 def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.ConfigurableResource]:
     home = home_dir()
-    leases = {"on_busy": env.get("VLM_ASSETS_ON_BUSY", "wait"),
-              "lease_ttl_s": float(env.get("VLM_ASSETS_LEASE_TTL_S", "120"))}
+    leases = {
+        "on_busy": env.get("VLM_ASSETS_ON_BUSY", "wait"),
+        "lease_ttl_s": float(env.get("VLM_ASSETS_LEASE_TTL_S", "120")),
+    }
     store_kind = env.get("VLM_ASSETS_STORE", "local")
     if store_kind == "local":
         store = LocalArtifactStoreResource(root=str(home / "artifacts"), **leases)

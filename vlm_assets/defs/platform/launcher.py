@@ -38,7 +38,8 @@ def check_training_pool(instance: dg.DagsterInstance) -> None:
         raise ValueError(
             f"Dagster pool '{TRAINING_POOL}' has limit {limit} (dagster.yaml concurrency.pools.default_limit, or "
             f"`dagster instance concurrency set {TRAINING_POOL} N`): every training step would wait forever. "
-            "Set it to the number of training jobs the GPUs hold at once (at least 1).")
+            "Set it to the number of training jobs the GPUs hold at once (at least 1)."
+        )
 
 
 @contextlib.contextmanager
@@ -58,25 +59,35 @@ def _as_step_failure() -> Iterator[None]:
     except LaunchFailed as err:
         timed_out = not err.retryable and "timeout" in err.reason
         bad_input = err.worker_exit_code == BAD_INPUT_EXIT
-        refused = dict.fromkeys(line[line.index(BAD_INPUT) + len(BAD_INPUT):] for line in err.tail if BAD_INPUT in line)
+        refused = dict.fromkeys(
+            line[line.index(BAD_INPUT) + len(BAD_INPUT) :] for line in err.tail if BAD_INPUT in line
+        )
         raise dg.Failure(
             # A retry under the same time limit would spend it again: the user raises timeout_s (a
             # run field, outside the cache key) and the rerun resumes instead.
-            description="".join(f"{line}\n" for line in refused) + str(err) + (
+            description="".join(f"{line}\n" for line in refused)
+            + str(err)
+            + (
                 "\nRaise timeout_s and rerun: training resumes from the last committed checkpoint of the same key."
-                if timed_out else ""),
+                if timed_out
+                else ""
+            ),
             allow_retries=err.retryable and not bad_input,
-            metadata={"node": err.node, "exit_code": err.exit_code if err.exit_code is not None else "none",
-                      "worker_exit_code": err.worker_exit_code if err.worker_exit_code is not None else "n/a",
-                      "reason": err.reason,
-                      "last_lines": dg.MetadataValue.md("```\n" + "\n".join(err.tail[-20:]) + "\n```")},
+            metadata={
+                "node": err.node,
+                "exit_code": err.exit_code if err.exit_code is not None else "none",
+                "worker_exit_code": err.worker_exit_code if err.worker_exit_code is not None else "n/a",
+                "reason": err.reason,
+                "last_lines": dg.MetadataValue.md("```\n" + "\n".join(err.tail[-20:]) + "\n```"),
+            },
         ) from err
 
 
 class TrainingLauncher(dg.ConfigurableResource, ABC):
     @abstractmethod
-    def launch(self, context: dg.AssetExecutionContext, spec: LaunchSpec,
-               extras: dict[str, Any] | None = None) -> list[dg.MaterializeResult]:
+    def launch(
+        self, context: dg.AssetExecutionContext, spec: LaunchSpec, extras: dict[str, Any] | None = None
+    ) -> list[dg.MaterializeResult]:
         """Run ``spec`` to completion and return what rank 0 reported through Pipes. Raises a
         retryable ``dg.Failure`` naming the failing node, its exit code and last lines."""
 
@@ -94,15 +105,22 @@ class LocalTorchrunLauncher(TrainingLauncher):
         description="Extra environment for every worker (OMP_NUM_THREADS=1 stops CPU workers oversubscribing cores).",
     )
 
-    def launch(self, context: dg.AssetExecutionContext, spec: LaunchSpec,
-               extras: dict[str, Any] | None = None) -> list[dg.MaterializeResult]:
+    def launch(
+        self, context: dg.AssetExecutionContext, spec: LaunchSpec, extras: dict[str, Any] | None = None
+    ) -> list[dg.MaterializeResult]:
         _die_with_orchestrator()
         # Dagster's own session code calls its preview `expected_writer_count`: the warning is about
         # Dagster's internals, not this launch, and would read as trouble in every run log.
-        with _without(dg.PreviewWarning), dg.open_pipes_session(
-            context=context, extras=extras or {},
-            context_injector=dg.PipesTempFileContextInjector(), message_reader=dg.PipesTempFileMessageReader(),
-        ) as session, _as_step_failure():
+        with (
+            _without(dg.PreviewWarning),
+            dg.open_pipes_session(
+                context=context,
+                extras=extras or {},
+                context_injector=dg.PipesTempFileContextInjector(),
+                message_reader=dg.PipesTempFileMessageReader(),
+            ) as session,
+            _as_step_failure(),
+        ):
             run_local(spec, on_line=context.log.info, env={**self.env, **session.get_bootstrap_env_vars()})
         return [r for r in session.get_results() if isinstance(r, dg.MaterializeResult)]
 
@@ -136,11 +154,16 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
         from vlm_assets.launch.k8s import MANAGED_BY, api_client, delete_selected
 
         api = api_client(self.settings())
-        return delete_selected(client.CoreV1Api(api), client.BatchV1Api(api), self.namespace,
-                               f"app.kubernetes.io/managed-by={MANAGED_BY},dagster/run-id={run_id}")
+        return delete_selected(
+            client.CoreV1Api(api),
+            client.BatchV1Api(api),
+            self.namespace,
+            f"app.kubernetes.io/managed-by={MANAGED_BY},dagster/run-id={run_id}",
+        )
 
-    def launch(self, context: dg.AssetExecutionContext, spec: LaunchSpec,
-               extras: dict[str, Any] | None = None) -> list[dg.MaterializeResult]:
+    def launch(
+        self, context: dg.AssetExecutionContext, spec: LaunchSpec, extras: dict[str, Any] | None = None
+    ) -> list[dg.MaterializeResult]:
         from kubernetes import client
 
         from vlm_assets.launch.k8s import api_client, delete_orphans, run_k8s
@@ -150,8 +173,12 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
         api = api_client(settings)
         # Pods of runs whose step was killed before it could delete them (Dagster marks such runs
         # failed: run monitoring, or the dead-run reaper at this load): the cleanup on the next start.
-        if orphans := delete_orphans(client.CoreV1Api(api), client.BatchV1Api(api), settings.namespace,
-                                     lambda run_id: _run_is_live(context.instance, run_id)):
+        if orphans := delete_orphans(
+            client.CoreV1Api(api),
+            client.BatchV1Api(api),
+            settings.namespace,
+            lambda run_id: _run_is_live(context.instance, run_id),
+        ):
             context.log.warning(f"deleted what dead runs left in namespace {settings.namespace}: {', '.join(orphans)}")
         reader = _pod_log_reader()
 
@@ -159,15 +186,25 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
             if not reader.consume(line):
                 context.log.info(f"[node {node}] {line}")
 
-        labels = {"dagster/run-id": context.run.run_id, "dagster/asset": context.asset_key.to_user_string(),
-                  "dagster/step": context.op_execution_context.node_handle.name}
+        labels = {
+            "dagster/run-id": context.run.run_id,
+            "dagster/asset": context.asset_key.to_user_string(),
+            "dagster/step": context.op_execution_context.node_handle.name,
+        }
         forwarded = {name: os.environ[name] for name in settings.forward_env if name in os.environ}
-        with _without(dg.PreviewWarning), dg.open_pipes_session(
-            context=context, extras=extras or {},
-            context_injector=dg.PipesEnvContextInjector(), message_reader=reader,
-        ) as session, _as_step_failure():
-            run_k8s(spec, settings, on_line, env={**forwarded, **session.get_bootstrap_env_vars()},
-                    labels=labels, api=api)
+        with (
+            _without(dg.PreviewWarning),
+            dg.open_pipes_session(
+                context=context,
+                extras=extras or {},
+                context_injector=dg.PipesEnvContextInjector(),
+                message_reader=reader,
+            ) as session,
+            _as_step_failure(),
+        ):
+            run_k8s(
+                spec, settings, on_line, env={**forwarded, **session.get_bootstrap_env_vars()}, labels=labels, api=api
+            )
         return [r for r in session.get_results() if isinstance(r, dg.MaterializeResult)]
 
 

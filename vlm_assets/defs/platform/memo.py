@@ -45,8 +45,9 @@ class AssetConfig(ProfileDefaults, Settings, dg.Config):
         try:
             super().__init__(**data)
         except pydantic.ValidationError as err:
-            raise dg.Failure(description=describe_validation_error(err, f"config of {type(self).__name__}"),
-                             allow_retries=False) from None
+            raise dg.Failure(
+                description=describe_validation_error(err, f"config of {type(self).__name__}"), allow_retries=False
+            ) from None
 
     def check_values(self) -> None:
         """Checks that need the outside world (files, directories); override per asset."""
@@ -86,13 +87,18 @@ def upstream_ref(context: dg.AssetExecutionContext, store: ArtifactStore, asset:
     so): the artifact of ``asset``'s materialization in this run if it has one, else of its latest.
     (This run's first: another run may have materialized ``asset`` with another config meanwhile.)"""
     asset_key = dg.AssetKey(asset)
-    in_run = [entry for entry in context.instance.all_logs(context.run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
-              if entry.dagster_event.asset_key == asset_key]
+    in_run = [
+        entry
+        for entry in context.instance.all_logs(context.run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
+        if entry.dagster_event.asset_key == asset_key
+    ]
     event = in_run[-1] if in_run else context.instance.get_latest_materialization_event(asset_key)
     key = event.asset_materialization.metadata.get("cache_key") if event is not None else None
     if key is None or not store.exists(key.value):
-        raise ValueError(f"{context.asset_key.to_user_string()} reads {asset}, which has no materialized artifact "
-                         f"in this store: materialize {asset} first (main_job does)")
+        raise ValueError(
+            f"{context.asset_key.to_user_string()} reads {asset}, which has no materialized artifact "
+            f"in this store: materialize {asset} first (main_job does)"
+        )
     return store.ref(key.value)
 
 
@@ -118,8 +124,9 @@ def materialize_memoized(
 
 
 @contextlib.contextmanager
-def _build_lease(context: dg.AssetExecutionContext, resource: ArtifactStoreResource, store: ArtifactStore,
-                 key: str) -> Iterator[Lease | None]:
+def _build_lease(
+    context: dg.AssetExecutionContext, resource: ArtifactStoreResource, store: ArtifactStore, key: str
+) -> Iterator[Lease | None]:
     """The lease on building ``key``, or None when the artifact is complete (already, or built by the
     attempt we waited for)."""
     if store.exists(key):
@@ -134,9 +141,11 @@ def _build_lease(context: dg.AssetExecutionContext, resource: ArtifactStoreResou
             return
         if resource.on_busy == "fail" or time.monotonic() > deadline:
             waited = "" if resource.on_busy == "fail" else f" (waited {resource.busy_wait_timeout_s:.0f} s)"
-            raise dg.Failure(f"{key} is being built by another attempt{waited}: {busy.describe()}. It "
-                             f"expires {resource.lease_ttl_s:.0f} s after its holder stops renewing it.",
-                             allow_retries=False)
+            raise dg.Failure(
+                f"{key} is being built by another attempt{waited}: {busy.describe()}. It "
+                f"expires {resource.lease_ttl_s:.0f} s after its holder stops renewing it.",
+                allow_retries=False,
+            )
         if not said:
             context.log.info(f"{key} is being built by {busy.describe()}: waiting for it")
             said = True
@@ -167,17 +176,26 @@ def _build(
             built = build(staging, run)
             run.log_metrics(built.metrics)
             lease.ensure_held()
-            ref = store.commit(key, staging, metadata={
-                "metrics": built.metrics, "metadata": built.metadata, "markdown": built.markdown, "config": config.identity(),
-                "mlflow_run_id": run.run_id, "upstream": {k: r.data_version for k, r in upstream.items()},
-                **({"scan": built.scan} if built.scan is not None else {}),
-            })
+            ref = store.commit(
+                key,
+                staging,
+                metadata={
+                    "metrics": built.metrics,
+                    "metadata": built.metadata,
+                    "markdown": built.markdown,
+                    "config": config.identity(),
+                    "mlflow_run_id": run.run_id,
+                    "upstream": {k: r.data_version for k, r in upstream.items()},
+                    **({"scan": built.scan} if built.scan is not None else {}),
+                },
+            )
     context.log.info(f"committed {ref.uri} (data version {ref.data_version})")
     return _output(ref, "miss", time.perf_counter() - started, config)
 
 
-def _close_dead_attempts(context: dg.AssetExecutionContext, mlflow: MlflowTrackingResource, lease: Lease,
-                         key: str) -> None:
+def _close_dead_attempts(
+    context: dg.AssetExecutionContext, mlflow: MlflowTrackingResource, lease: Lease, key: str
+) -> None:
     """Make the records of an attempt that died (its process killed: no code of it ran to say so)
     tell the truth: its MLflow runs end KILLED, and its Dagster run, if this lease replaced its
     expired one and it is still marked in progress, is marked failed."""
@@ -185,8 +203,9 @@ def _close_dead_attempts(context: dg.AssetExecutionContext, mlflow: MlflowTracki
         context.log.warning(f"ended MLflow run(s) {', '.join(killed)} of {key} as KILLED: their process died")
     dead = lease.taken_over
     if dead is not None and dead.holder.get("run_id") != context.run.run_id:
-        fail_dead_run(context.instance, dead, f"run {context.run.run_id}, which took its lease over",
-                      context.log.warning)
+        fail_dead_run(
+            context.instance, dead, f"run {context.run.run_id}, which took its lease over", context.log.warning
+        )
 
 
 def _output(ref: ArtifactRef, cache: str, seconds: float, config: AssetConfig) -> dg.Output[ArtifactRef]:

@@ -24,29 +24,57 @@ def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
     data = offline_data_dir()
     return {
         "OcclusionManifestsConfig": {
-            "source": "fashion_mnist", "source_uri": str(data / "fashion-mnist"),
-            "num_train": 2000, "num_validation": 500,
+            "source": "fashion_mnist",
+            "source_uri": str(data / "fashion-mnist"),
+            "num_train": 2000,
+            "num_validation": 500,
         },
         "TokenShardsConfig": {
-            "source": "text_files", "text_glob": str(data / "shakespeare" / "*.txt"),
-            "tokenizer": str(data / "gpt2-tokenizer"), "max_length": 256,
+            "source": "text_files",
+            "text_glob": str(data / "shakespeare" / "*.txt"),
+            "tokenizer": str(data / "gpt2-tokenizer"),
+            "max_length": 256,
         },
         # Two nodes of one process each (two torchrun agents on loopback), as a cluster would run it.
         "GPTCheckpointConfig": {
-            "preset": "tiny", "strategy": "ddp", "num_nodes": 2, "nproc_per_node": 1,
-            "micro_batch_size": 4, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "max_steps": 40,
-            "val_check_interval": 20, "val_batches": 8, "checkpoint_every": 20, "log_every": 10,
+            "preset": "tiny",
+            "strategy": "ddp",
+            "num_nodes": 2,
+            "nproc_per_node": 1,
+            "micro_batch_size": 4,
+            "global_batch_size": 8,
+            "lr": 3e-3,
+            "warmup_steps": 5,
+            "max_steps": 40,
+            "val_check_interval": 20,
+            "val_batches": 8,
+            "checkpoint_every": 20,
+            "log_every": 10,
         },
         # VisualChat on the graph's own GPT: the pretrained EfficientNet-Lite0 (frozen, its features cached),
         # an mlp projection, and the decoder with LoRA, trained with it (40 steps of Shakespeare teach a
         # decoder too little for LoRA alone), on the clean images as VQA (the manifest's prompt, and 400
         # asked in other words) and two-image conversations.
         "VisualChatAssetConfig": {
-            "decoder": "gpt_checkpoint", "encoder_kind": "efficientnet_lite0", "projection": "mlp",
-            "freeze_modules": ["encoder"], "cache_image_features": True, "max_length": 256, "vqa_count": 800,
-            "pair_count": 100, "phrasing_count": 400, "eval_fraction": 0.05, "micro_batch_size": 8, "global_batch_size": 16,
-            "nproc_per_node": 2, "lr": 3e-3, "warmup_steps": 10, "max_steps": 300, "eval_images": 100,
-            "checkpoint_every": 150, "log_every": 50,
+            "decoder": "gpt_checkpoint",
+            "encoder_kind": "efficientnet_lite0",
+            "projection": "mlp",
+            "freeze_modules": ["encoder"],
+            "cache_image_features": True,
+            "max_length": 256,
+            "vqa_count": 800,
+            "pair_count": 100,
+            "phrasing_count": 400,
+            "eval_fraction": 0.05,
+            "micro_batch_size": 8,
+            "global_batch_size": 16,
+            "nproc_per_node": 2,
+            "lr": 3e-3,
+            "warmup_steps": 10,
+            "max_steps": 300,
+            "eval_images": 100,
+            "checkpoint_every": 150,
+            "log_every": 50,
         },
         "VQACheckConfig": {"min_exact_match": 0.3},
         # The adapter at the images' own 28 px in front of that VisualChat model (frozen), on 2 processes:
@@ -54,9 +82,18 @@ def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
         # inpaint; no backbone). The LM loss is left out here: on this lineage it shuts the gate (README,
         # "Why the adapter helps"). The frozen model judges the adapter in eval_report.
         "OcclusionAdapterConfig": {
-            "backbone": "visualchat", "image_size": 28, "adapter_steps": 6, "epochs": 10,
-            "reconstruction_warmup_epochs": 10, "reconstruction_loss_weight": 1.0, "reconstruction_outside_box": True,
-            "lr": 1e-2, "micro_batch_size": 8, "global_batch_size": 16, "nproc_per_node": 2, "num_train": None,
+            "backbone": "visualchat",
+            "image_size": 28,
+            "adapter_steps": 6,
+            "epochs": 10,
+            "reconstruction_warmup_epochs": 10,
+            "reconstruction_loss_weight": 1.0,
+            "reconstruction_outside_box": True,
+            "lr": 1e-2,
+            "micro_batch_size": 8,
+            "global_batch_size": 16,
+            "nproc_per_node": 2,
+            "num_train": None,
             "num_validation": 200,
         },
         "EvalReportConfig": {"num_samples": 500, "batch_size": 50, "num_cards": 24},
@@ -84,6 +121,8 @@ class ProfileDefaults(pydantic.BaseModel):
         try:  # defaults are not validated by pydantic: validate the profile's once, here
             cls.model_validate(overrides)
         except pydantic.ValidationError as err:
-            raise ValueError(describe_validation_error(err, f"profile {profile()!r}: config of {cls.__name__}")) from None
+            raise ValueError(
+                describe_validation_error(err, f"profile {profile()!r}: config of {cls.__name__}")
+            ) from None
         except dg.Failure as err:  # an AssetConfig turns its validation errors into step failures
             raise ValueError(f"profile {profile()!r}: {err.description}") from None

@@ -33,22 +33,29 @@ def fail_dead_run(instance: dg.DagsterInstance, dead: LeaseState, by: str, log: 
     run = instance.get_run_by_id(run_id) if run_id else None
     if run is None or run.is_finished:
         return False
-    message = (f"its step building {dead.holder.get('key')} died without ending the run "
-               f"({dead.describe()}; marked failed by {by})")
+    message = (
+        f"its step building {dead.holder.get('key')} died without ending the run "
+        f"({dead.describe()}; marked failed by {by})"
+    )
     instance.report_run_failed(run, message=message)
     instance.event_log_storage.free_concurrency_slots_for_run(run_id)
     log(f"run {run_id}: {message}")
     return True
 
 
-def reap_dead_runs(instance: dg.DagsterInstance, store: ArtifactStore, ttl_s: float,
-                   log: Callable[[str], None]) -> list[str]:
-    return [lease.holder["run_id"] for lease in store.list_leases()
-            if lease.expired(ttl_s) and fail_dead_run(instance, lease, "vlm_assets' dead-run reaper", log)]
+def reap_dead_runs(
+    instance: dg.DagsterInstance, store: ArtifactStore, ttl_s: float, log: Callable[[str], None]
+) -> list[str]:
+    return [
+        lease.holder["run_id"]
+        for lease in store.list_leases()
+        if lease.expired(ttl_s) and fail_dead_run(instance, lease, "vlm_assets' dead-run reaper", log)
+    ]
 
 
-def reap_on_load(instance: dg.DagsterInstance, store_resource: ArtifactStoreResource,
-                 log: Callable[[str], None]) -> None:
+def reap_on_load(
+    instance: dg.DagsterInstance, store_resource: ArtifactStoreResource, log: Callable[[str], None]
+) -> None:
     """At code location load, on a persistent instance (DAGSTER_HOME); never fails the load."""
     try:
         # Outside a run its EnvVar fields (S3 credentials) are resolved only by initializing it.
@@ -61,13 +68,16 @@ def reap_on_load(instance: dg.DagsterInstance, store_resource: ArtifactStoreReso
 @dg.sensor(minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING)
 def dead_run_reaper(context: dg.SensorEvaluationContext, artifact_store: ArtifactStoreResource):
     """Marks failed the runs whose training or build step was killed outright, and frees their pool slots."""
-    reaped = reap_dead_runs(context.instance, artifact_store.get_store(), artifact_store.lease_ttl_s, context.log.warning)
+    reaped = reap_dead_runs(
+        context.instance, artifact_store.get_store(), artifact_store.lease_ttl_s, context.log.warning
+    )
     return dg.SkipReason(f"reaped {len(reaped)} dead run(s)" if reaped else "no dead runs")
 
 
 @dg.run_failure_sensor(default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=15)
-def killed_run_tracking(context: dg.RunFailureSensorContext, mlflow: MlflowTrackingResource,
-                        launcher: TrainingLauncher):
+def killed_run_tracking(
+    context: dg.RunFailureSensorContext, mlflow: MlflowTrackingResource, launcher: TrainingLauncher
+):
     """A failed run's MLflow runs still RUNNING were left by a process killed outright (a step that
     fails normally ends its own run FAILED): they end KILLED. Training pods it left (k8s launcher)
     are deleted."""

@@ -46,7 +46,13 @@ def launched_on_this_host(run: dg.DagsterRun) -> bool:
     info = json.loads(run.tags.get(GRPC_INFO_TAG) or "{}")
     if not info:
         return False
-    return "socket" in info or info.get("host") in {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
+    return "socket" in info or info.get("host") in {
+        "localhost",
+        "127.0.0.1",
+        "::1",
+        socket.gethostname(),
+        socket.getfqdn(),
+    }
 
 
 def worker_health(instance: dg.DagsterInstance, run: dg.DagsterRun) -> CheckRunHealthResult:
@@ -63,7 +69,9 @@ def worker_health(instance: dg.DagsterInstance, run: dg.DagsterRun) -> CheckRunH
     return CheckRunHealthResult(
         WorkerStatus.FAILED,
         f"run worker pid {pid} on {socket.gethostname()} (started the run at {time.ctime(started)}) {reason}: "
-        "it was killed without ending the run", run_worker_id=str(pid))
+        "it was killed without ending the run",
+        run_worker_id=str(pid),
+    )
 
 
 class LocalRunLauncher(DefaultRunLauncher):

@@ -14,13 +14,19 @@ class ArtifactStoreResource(dg.ConfigurableResource, ABC):
     materialization of a key that another live attempt is building behaves (store leases)."""
 
     on_busy: Literal["wait", "fail"] = Field(
-        default="wait", description="A key another live attempt is building: wait for it (then reuse its "
-                                    "artifact or take over) or fail at once naming the holder.")
+        default="wait",
+        description="A key another live attempt is building: wait for it (then reuse its "
+        "artifact or take over) or fail at once naming the holder.",
+    )
     lease_ttl_s: float = Field(
-        default=120.0, ge=5, description="A builder that has not renewed its lease for this long is "
-                                         "dead: its lease expires and the next attempt takes over.")
+        default=120.0,
+        ge=5,
+        description="A builder that has not renewed its lease for this long is "
+        "dead: its lease expires and the next attempt takes over.",
+    )
     busy_wait_timeout_s: float = Field(
-        default=86_400.0, gt=0, description="on_busy=wait: give up (failing, naming the holder) after this long.")
+        default=86_400.0, gt=0, description="on_busy=wait: give up (failing, naming the holder) after this long."
+    )
 
     @abstractmethod
     def get_store(self) -> ArtifactStore: ...
@@ -59,13 +65,23 @@ class S3ArtifactStoreResource(ArtifactStoreResource):
     def get_client(self):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint_url or None, region_name=self.region_name,
-                            aws_access_key_id=self.aws_access_key_id or None,
-                            aws_secret_access_key=self.aws_secret_access_key or None)
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url or None,
+            region_name=self.region_name,
+            aws_access_key_id=self.aws_access_key_id or None,
+            aws_secret_access_key=self.aws_secret_access_key or None,
+        )
 
     def get_store(self) -> ArtifactStore:
         return S3ArtifactStore(self.get_client(), self.bucket, self.prefix, cache_dir=self.cache_dir)
 
     def spec(self) -> dict[str, Any]:
-        return {"kind": "s3", "bucket": self.bucket, "prefix": self.prefix, "cache_dir": self.cache_dir,
-                "endpoint_url": self.endpoint_url, "region_name": self.region_name}
+        return {
+            "kind": "s3",
+            "bucket": self.bucket,
+            "prefix": self.prefix,
+            "cache_dir": self.cache_dir,
+            "endpoint_url": self.endpoint_url,
+            "region_name": self.region_name,
+        }

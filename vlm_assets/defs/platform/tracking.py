@@ -71,7 +71,8 @@ class MlflowTrackingResource(dg.ConfigurableResource):
     tracking_uri: str = Field(description="MLflow tracking URI: sqlite:///path.db, http(s)://server, ...")
     experiment_name: str = Field(default="vlm_assets", description="Experiment every run is logged under.")
     artifact_location: str | None = Field(
-        default=None, description="Where a new experiment stores artifacts (a path or s3:// URI); server default if unset."
+        default=None,
+        description="Where a new experiment stores artifacts (a path or s3:// URI); server default if unset.",
     )
     _client: Any = PrivateAttr(default=None)
 
@@ -95,8 +96,10 @@ class MlflowTrackingResource(dg.ConfigurableResource):
         try:
             yield
         except (MlflowException, RequestException, OSError) as err:
-            raise dg.Failure(description=f"MLflow at {self.tracking_uri} could not be reached or refused the "
-                                         f"request: {type(err).__name__}: {str(err)[:500]}") from err
+            raise dg.Failure(
+                description=f"MLflow at {self.tracking_uri} could not be reached or refused the "
+                f"request: {type(err).__name__}: {str(err)[:500]}"
+            ) from err
 
     def experiment_id(self) -> str:
         client = self.client()
@@ -131,8 +134,9 @@ class MlflowTrackingResource(dg.ConfigurableResource):
             raise ValueError("end_orphaned_runs: give exactly one of cache_key and dagster_run_id")
         tag, value = ("vlm_assets.cache_key", cache_key) if cache_key else ("dagster.run_id", dagster_run_id)
         client = self.client()
-        runs = client.search_runs([self.experiment_id()], filter_string=(
-            f"tags.`{tag}` = '{value}' and attributes.status = 'RUNNING'"))
+        runs = client.search_runs(
+            [self.experiment_id()], filter_string=(f"tags.`{tag}` = '{value}' and attributes.status = 'RUNNING'")
+        )
         for run in runs:
             client.set_terminated(run.info.run_id, status="KILLED")
         return [run.info.run_id for run in runs]

@@ -1,0 +1,60 @@
+"""The lint stage of scripts/test.sh (= .ci/run) fails on what it is there to catch: a broken layer
+contract and a lint error, each on a copy of the package with one bad line added."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _copy(tmp_path: Path) -> Path:
+    shutil.copytree(REPO / "vlm_assets", tmp_path / "vlm_assets", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    return tmp_path
+
+
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}  # the copy, ahead of the editable install
+    return subprocess.run(
+        [BIN / "lint-imports", "--no-logo", "--no-cache"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_layer_contracts_hold_and_a_broken_one_is_named(tmp_path):
+    root = _copy(tmp_path)
+    assert _lint_imports(root).returncode == 0
+    engine = root / "vlm_assets" / "data" / "occlusion.py"
+    engine.write_text(engine.read_text() + "\nimport dagster  # an engine that reaches up\n")
+    models = root / "vlm_assets" / "models" / "gpt.py"
+    models.write_text(models.read_text() + "\nfrom vlm_assets.train import gpt_module  # a layer pointing up\n")
+    broken = _lint_imports(root)
+    assert broken.returncode != 0
+    assert (
+        "engines import no dagster BROKEN" in broken.stdout and "vlm_assets.data.occlusion -> dagster" in broken.stdout
+    )
+    assert "layers point down BROKEN" in broken.stdout
+    assert "vlm_assets.models.gpt -> vlm_assets.train.gpt_module" in broken.stdout, broken.stdout
+
+
+def test_ruff_passes_on_the_tree_and_fails_on_an_unused_import(tmp_path):
+    assert subprocess.run([BIN / "ruff", "check", "--quiet", "."], cwd=REPO).returncode == 0
+    assert subprocess.run([BIN / "ruff", "format", "--check", "--quiet", "."], cwd=REPO).returncode == 0
+    root = _copy(tmp_path)
+    bad = root / "vlm_assets" / "paths.py"
+    lines = bad.read_text().count("\n")
+    bad.write_text(bad.read_text() + "\n\ndef unused():\n    import json\n")
+    lint = subprocess.run(
+        [BIN / "ruff", "check", "--output-format", "concise", "."], cwd=root, capture_output=True, text=True
+    )
+    assert lint.returncode != 0 and f"vlm_assets/paths.py:{lines + 4}:12: F401" in lint.stdout, lint.stdout
+    bad.write_text(bad.read_text().replace("    import json\n", "    import json;x=1\n"))
+    assert subprocess.run([BIN / "ruff", "format", "--check", "--quiet", "."], cwd=root).returncode != 0
