@@ -148,6 +148,48 @@ def serve_directory(directory: Path):
         server.server_close()
 
 
+@contextlib.contextmanager
+def mlflow_serve(model_uri: str, tracking_uri: str, log: Path):
+    """`mlflow models serve -m MODEL_URI --env-manager local` on loopback, as a user starts it; yields
+    ``post(payload) -> (status, body)`` once /ping answers."""
+    import requests
+
+    port = free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri}
+    command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager", "local"]
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [*command, "-h", "127.0.0.1", "-p", str(port), "-w", "1"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, f"mlflow models serve exited {server.returncode}:\n{log.read_text()[-3000:]}"
+            with contextlib.suppress(requests.ConnectionError):
+                if requests.get(f"{url}/ping", timeout=5).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, f"mlflow models serve did not answer /ping:\n{log.read_text()[-3000:]}"
+            time.sleep(1)
+
+        def post(payload: dict) -> tuple[int, dict]:
+            response = requests.post(f"{url}/invocations", json=payload, timeout=300)
+            return response.status_code, response.json()
+
+        yield post
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 

@@ -1,10 +1,9 @@
-"""VisualChat training data: OpenAI chat-messages JSONL and the occlusion manifests' clean images, in
-DeepSpeed-VisualChat's conversation template, with the loss on the assistant's answers only.
+"""VisualChat training data: chat datasets (``chat_formats``: OpenAI, LLaVA, Hugging Face) and the
+occlusion manifests' clean images, in DeepSpeed-VisualChat's conversation template, with the loss on the
+assistant's answers only.
 
-A record is one conversation (``{"messages": [{"role", "content"}]}``); ``content`` is a string or a
-list of parts ``{"type": "text", "text": ...}`` / ``{"type": "image", "image": PATH_OR_URL}``. An image
-is a path (relative to the JSONL file), a ``file://`` or ``http(s)://`` URL, or ``FILE.npy#I`` (image I
-of a packed uint8 array, as the manifests store them). Rendered::
+A record (``ChatRecord``) is one conversation; ``content`` is a string or a list of parts
+``{"type": "text", "text": ...}`` / ``{"type": "image", "image": FILE}``. Rendered::
 
     ### System: <system line>
     ### Image 1:
@@ -12,35 +11,26 @@ of a packed uint8 array, as the manifests store them). Rendered::
     ### Question: <user text>
     ### Answer: <assistant text><eos>      (only the answer text and <eos> carry labels)
 
-Every bad record fails before training, naming the file and line: unknown role, an image file that is
-not there, no assistant turn, more images than ``max_images``, more tokens than ``max_length``.
+Every bad record fails before training, naming the file and line (``chat_formats``), and so does one
+with more tokens than ``max_length`` (``render``).
 
 Samples may be packed first-fit (largest first) into rows of ``pack_tokens``: each keeps its own
 segment id, so the attention keeps samples apart and positions restart (``visualchat_attention``).
 """
 
 import dataclasses
-import io
 import json
 import random
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from vlm_assets.data.chat_formats import ChatRecord, fetch_image
 from vlm_assets.data.tokens import IGNORE_INDEX, positions_from_segments
 
 DEFAULT_SYSTEM = "You are a helpful assistant that answers questions about images."
-ROLES = ("system", "user", "assistant")
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatRecord:
-    messages: list[dict]
-    images: list[str]  # resolved image references, in order of appearance
-    where: str  # "file:line" for errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,58 +42,6 @@ class Sample:
 
 def _parts(content) -> list[dict]:
     return [{"type": "text", "text": content}] if isinstance(content, str) else content
-
-
-def check_record(data, where: str, base: Path, max_images: int) -> ChatRecord:
-    """A validated record; ``ValueError`` / ``FileNotFoundError`` naming ``where`` otherwise."""
-    messages = data.get("messages") if isinstance(data, dict) else None
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: expected an object with a non-empty 'messages' list")
-    images = []
-    for message in messages:
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in ROLES:
-            raise ValueError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
-        content = message.get("content")
-        if not isinstance(content, (str, list)):
-            raise ValueError(f"{where}: a {role} message needs 'content' (a string or a list of parts)")
-        for part in _parts(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "image":
-                if role != "user":
-                    raise ValueError(f"{where}: images belong in user turns, found one in a {role} turn")
-                images.append(_resolve_image(str(part.get("image", "")), base, where))
-            elif kind != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"{where}: content part {part!r} is neither text nor image")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: no assistant turn: nothing to learn from")
-    if len(images) > max_images:
-        raise ValueError(f"{where}: {len(images)} images, more than max_images {max_images}")
-    return ChatRecord(messages, images, where)
-
-
-def _resolve_image(ref: str, base: Path, where: str) -> str:
-    if ref.startswith(("http://", "https://")):
-        return ref
-    path_part, _, index = ref.removeprefix("file://").partition("#")
-    path = Path(path_part) if Path(path_part).is_absolute() else base / path_part
-    if not path.is_file():
-        raise FileNotFoundError(f"{where}: image file {path} does not exist")
-    return f"{path}#{index}" if index else str(path)
-
-
-def read_chat_jsonl(path: Path, max_images: int) -> list[ChatRecord]:
-    records = []
-    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{line_no}"
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: not JSON ({err.msg})") from None
-        records.append(check_record(data, where, Path(path).parent, max_images))
-    return records
 
 
 def render(
@@ -311,8 +249,7 @@ def load_image(ref: str, size: int) -> torch.Tensor:
     from PIL import Image
 
     if ref.startswith(("http://", "https://")):
-        with urllib.request.urlopen(ref, timeout=30) as response:
-            image = Image.open(io.BytesIO(response.read()))
+        image = Image.open(fetch_image(ref))
     else:
         path, _, index = ref.partition("#")
         if index:

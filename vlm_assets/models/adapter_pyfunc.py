@@ -31,14 +31,37 @@ class OcclusionAdapterPredictor(mlflow.pyfunc.PythonModel):
     # A DataFrame hint: MLflow then validates against the signature logged with the model (a base64
     # PNG column and a box column, eval_assets) instead of inferring one from the hint.
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
-        triples = [
-            preprocess(decode_png(base64.b64decode(image)), box, self.image_size)
-            for image, box in zip(model_input["image"], model_input["box"])
-        ]
+        triples = []
+        for row, (image, box) in enumerate(zip(model_input["image"], model_input["box"])):
+            pixels = decode_b64_image(image, row, "image", decode_png)
+            try:
+                triples.append(preprocess(pixels, box, self.image_size))
+            except (ValueError, TypeError) as err:
+                raise bad_request(row, "box", f"{err} (expected [x0, y0, x1, y1] in image pixels)") from None
         occluded, masks = torch.stack([t[0] for t in triples]), torch.stack([t[2] for t in triples])
         with torch.no_grad():
             restored = self.adapter(occluded, masks)
         return [a.strip() for a in self.backbone.generate(restored, [self.prompt] * len(triples))]
+
+
+def bad_request(row: int, field: str, reason: str):
+    """What the scoring server answers with HTTP 400 (not a 500 and a traceback), naming the field."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    return MlflowException(f"row {row}: field '{field}': {reason}", error_code=INVALID_PARAMETER_VALUE)
+
+
+def decode_b64_image(value, row: int, field: str, decode):
+    """``decode(bytes)`` of a base64 image field; ``bad_request`` naming the row and field otherwise."""
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (ValueError, TypeError) as err:
+        raise bad_request(row, field, f"not base64 ({err})") from None
+    try:
+        return decode(data)
+    except Exception as err:  # Pillow's errors for a payload that is not an image vary by format
+        raise bad_request(row, field, f"not a readable image ({type(err).__name__}: {err})") from None
 
 
 def png_b64(pixels: np.ndarray) -> str:

@@ -24,11 +24,17 @@ class VisualChatPredictor(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
         from vlm_assets.data.visualchat_data import to_pixels
+        from vlm_assets.models.adapter_pyfunc import bad_request, decode_b64_image
 
+        size = self.model.encoder.image_size
         answers = []
-        for question, images in zip(model_input["question"], model_input["images"]):
+        for row, (question, images) in enumerate(zip(model_input["question"], model_input["images"])):
+            if not isinstance(question, str) or not question.strip():
+                raise bad_request(row, "question", "must be non-empty text")
+            if isinstance(images, str) or not hasattr(images, "__iter__"):
+                raise bad_request(row, "images", "must be a list of base64 images")
             pixels = [
-                to_pixels(Image.open(io.BytesIO(base64.b64decode(b64))), self.model.encoder.image_size)
+                decode_b64_image(b64, row, "images", lambda data: to_pixels(Image.open(io.BytesIO(data)), size))
                 for b64 in images
             ]
             content = [{"type": "image", "image": ""} for _ in pixels] + [{"type": "text", "text": question}]

@@ -1,6 +1,8 @@
 """The one config of VisualChat training: the model's fields (``VisualChatModelConfig``) plus how to
 train it. The torchrun entry point reads it from the run file (``--config run.json``)."""
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from vlm_assets.models.visualchat_spec import VisualChatModelConfig
@@ -40,7 +42,20 @@ class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
     seed: int = Field(default=0, description="Seeds the projection's init, LoRA's init and the data order.")
     chat_datasets: dict[str, int | None] = Field(
         default={},
-        description=("Chat-messages JSONL files -> how many samples of each to blend in (null: all; more: repeated)."),
+        description=(
+            "Chat datasets (OpenAI messages JSONL, LLaVA JSON, Hugging Face Parquet or datasets folder; README "
+            "'Chat datasets') -> how many samples of each to blend in (null: all; more: repeated)."
+        ),
+    )
+    chat_format: Literal["auto", "openai", "llava", "hf"] = Field(
+        default="auto", description="Format of the chat datasets: auto (told by their content) or one for all."
+    )
+    image_folder: str | None = Field(
+        default=None,
+        description=(
+            "Folder that relative image paths of the chat datasets are in (default: each file's folder; for LLaVA "
+            "then its images/ subfolder)."
+        ),
     )
     vqa_count: int | None = Field(
         default=None,
@@ -99,6 +114,15 @@ class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
         if unknown := sorted(set(value) - set(MODULES)):
             raise ValueError(f"unknown module(s) {unknown}: choose from {', '.join(MODULES)}")
         return value
+
+    def read_chat_datasets(self, paths: list[str]) -> list[list]:
+        """The records of each chat dataset (``ChatRecord`` lists); ``ChatDataError`` names every bad one."""
+        from vlm_assets.data.chat_formats import read_chat_dataset
+
+        return [
+            read_chat_dataset(p, max_images=self.max_images, format=self.chat_format, image_folder=self.image_folder)
+            for p in paths
+        ]
 
     def trained_modules(self) -> list[str]:
         return [m for m in MODULES if m not in self.freeze_modules]

@@ -79,10 +79,8 @@ def build_model(config: VisualChatTrainConfig) -> VisualChatModel:
 
 def build_samples(config: VisualChatTrainConfig, model: VisualChatModel, manifests: Path | None):
     """(train rows, eval samples): blended, split, rendered (bad records fail here, naming file:line), packed."""
-    datasets = [
-        (vd.read_chat_jsonl(Path(path), config.max_images), count)
-        for path, count in sorted(config.chat_datasets.items())
-    ]
+    paths = sorted(config.chat_datasets)
+    datasets = [(records, config.chat_datasets[p]) for p, records in zip(paths, config.read_chat_datasets(paths))]
     if manifests is not None:
         vqa = vd.manifest_records(
             manifests, "train", pairs=config.pair_count, phrased=config.phrasing_count, seed=config.seed

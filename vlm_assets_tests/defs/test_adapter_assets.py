@@ -214,6 +214,37 @@ def test_registered_model_predicts_what_eval_report_predicted(pipeline):
     assert served == [e["adapter"].strip() for e in evaluated]
 
 
+def test_the_champion_served_over_http_answers_as_eval_report_did(pipeline, tmp_path):
+    """`mlflow models serve -m models:/occlusion_adapter@champion --env-manager local`: a JSON request
+    of base64 PNGs and boxes gets eval_report's answers for those rows; a malformed one gets a 400
+    naming the row and field."""
+    from vlm_assets.data.occlusion import ManifestImages, read_manifest
+    from vlm_assets.models.adapter_pyfunc import png_b64
+    from vlm_assets_tests.conftest import mlflow_serve
+
+    env, first = pipeline
+    manifests = env.store.local_path(meta(first, "occlusion_manifests")["cache_key"])
+    evaluated = [
+        json.loads(line)
+        for line in (Path(meta(first, "eval_report")["uri"]) / "predictions.jsonl").read_text().splitlines()
+    ][:16]
+    rows = read_manifest(manifests / "validation.jsonl")[: len(evaluated)]
+    images = ManifestImages(manifests)
+    records = [{"image": png_b64(images.get(r)), "box": r["box"]} for r in rows]
+    with mlflow_serve("models:/occlusion_adapter@champion", env.uri, tmp_path / "serve.log") as post:
+        status, body = post({"dataframe_records": records})
+        assert status == 200, body
+        assert body["predictions"] == [e["adapter"].strip() for e in evaluated]
+        status, body = post({"dataframe_records": [{"image": "not base64!", "box": [1, 1, 5, 5]}]})
+        assert status == 400 and "row 0: field 'image': not base64" in body["message"], body
+        status, body = post({"dataframe_records": [{**records[0], "box": [0, 0, 99, 5]}]})
+        assert (
+            status == 400 and "row 0: field 'box': box [0, 0, 99, 5] is not inside the 28x28 image" in body["message"]
+        )
+        status, body = post({"dataframe_records": [{"image": records[0]["image"]}]})
+        assert status == 400 and "box" in body["message"], body  # MLflow's own schema check
+
+
 def test_unreachable_registry_fails_naming_the_uri(pipeline, monkeypatch):
     import dagster as dg
 

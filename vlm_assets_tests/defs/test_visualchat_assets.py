@@ -182,6 +182,20 @@ def test_the_chat_cli_the_registered_pyfunc_and_the_eval_answer_a_png_file_alike
     said = turns[1].split("you> ")[0].strip()
     assert said == evaluated and pyfunc == evaluated, (said, pyfunc, evaluated)
 
+    # The same champion served over HTTP, as `mlflow models serve` users run it.
+    from vlm_assets_tests.conftest import mlflow_serve
+
+    b64 = base64.b64encode(png.read_bytes()).decode()
+    with mlflow_serve("models:/visualchat@champion", env.uri, tmp_path / "serve.log") as post:
+        status, body = post({"dataframe_records": [{"question": question, "images": [b64]}]})
+        assert status == 200 and body["predictions"] == [evaluated], body
+        status, body = post({"dataframe_records": [{"question": question, "images": [b64, "%%%"]}]})
+        assert status == 400 and "row 0: field 'images': not base64" in body["message"], body
+        status, body = post({"dataframe_records": [{"question": question, "images": ["aGVsbG8="]}]})
+        assert status == 400 and "row 0: field 'images': not a readable image" in body["message"], body
+        status, body = post({"dataframe_records": [{"images": [b64]}]})
+        assert status == 400 and "question" in body["message"], body  # MLflow's own schema check
+
 
 def test_a_rerun_hits_the_cache_and_a_failing_vqa_check_keeps_the_alias(pipeline, offline_data, models):
     env, first = pipeline
@@ -218,6 +232,24 @@ def test_bad_input_fails_at_once_naming_the_file_line_or_field(pipeline, offline
         run_config(offline_data, models, {"chat_datasets": {str(bad): None}}), raise_on_error=False
     )
     assert f"{bad}:2: unknown role 'robot'" in _failure(result)
+    llava = tmp_path / "llava.json"  # every bad record is named, not only the first; nothing is trained
+    llava.write_text(
+        json.dumps(
+            [
+                {
+                    "image": "gone.png",
+                    "conversations": [{"from": "human", "value": "<image>?"}, {"from": "gpt", "value": "x"}],
+                },
+                {"conversations": [{"from": "human", "value": "<image>?"}, {"from": "gpt", "value": "x"}]},
+            ]
+        )
+    )
+    result = env.materialize(
+        run_config(offline_data, models, {"chat_datasets": {str(llava): None}}), raise_on_error=False
+    )
+    assert f"{llava}:1: image file {tmp_path / 'gone.png'} does not exist" in _failure(result)
+    assert f"{llava}:2: 1 <image> marker(s) for 0 image(s): they must match" in _failure(result)
+    assert not result.asset_materializations_for_node("visualchat_model")
     long = tmp_path / "long.jsonl"  # found by the trainer (it needs the tokenizer): no retry either
     long.write_text(
         json.dumps({"messages": [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "ok"}]})

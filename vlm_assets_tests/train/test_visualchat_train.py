@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from vlm_assets.data import visualchat_data as vd
+from vlm_assets.data.chat_formats import read_chat_dataset
 from vlm_assets.launch import run_local
 from vlm_assets.models.visualchat import VisualChatModel
 from vlm_assets.train.run_config import RunPaths, write_run_file
@@ -220,8 +221,8 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
 )
 def test_a_bad_chat_record_names_file_and_line(tmp_path, record, error):
     path = _jsonl(tmp_path, GOOD, record)
-    with pytest.raises((ValueError, FileNotFoundError), match=f"{path}:2: {error}"):
-        vd.read_chat_jsonl(path, max_images=8)
+    with pytest.raises(ValueError, match=f"{path}:2: {error}"):
+        read_chat_dataset(path, max_images=8)
 
 
 def test_more_images_than_max_images_names_file_and_line(tmp_path, offline_data):
@@ -234,7 +235,7 @@ def test_more_images_than_max_images_names_file_and_line(tmp_path, offline_data)
     }
     path = _jsonl(tmp_path, record)
     with pytest.raises(ValueError, match=f"{path}:1: 3 images, more than max_images 2"):
-        vd.read_chat_jsonl(path, max_images=2)
+        read_chat_dataset(path, max_images=2)
 
 
 def test_more_tokens_than_max_length_fails_before_training(tmp_path, inputs):
@@ -261,8 +262,10 @@ def test_a_zero_stage_other_than_2_or_3_is_refused_at_config_load(tmp_path, inpu
         read_run_file(run, VisualChatTrainConfig)
 
 
-def test_images_by_http_url_load_like_the_same_files(tmp_path, offline_data):
-    """A chat record's images by http(s) URL (served on loopback) give the pixels of the same files."""
+def test_images_by_http_url_load_like_the_same_files(tmp_path, offline_data, monkeypatch):
+    """A chat record's images by http(s) URL (served on loopback), fetched once into the image cache, give
+    the pixels of the same files."""
+    monkeypatch.setenv("VLM_ASSETS_CACHE", str(tmp_path / "cache"))
     from vlm_assets_tests.conftest import serve_directory
 
     files = sorted((offline_data / "cifar10-samples").glob("*.png"))[:2]
@@ -277,11 +280,10 @@ def test_images_by_http_url_load_like_the_same_files(tmp_path, offline_data):
                 {"role": "assistant", "content": "Image 2"},
             ]
         }
-        (loaded,) = vd.read_chat_jsonl(_jsonl(tmp_path, record), max_images=8)
+        (loaded,) = read_chat_dataset(_jsonl(tmp_path, record), max_images=8)
         pixels = torch.stack([vd.load_image(ref, 64) for ref in loaded.images])
-    assert loaded.images == [f"{base}/{f.name}" for f in files] and sorted(requests) == sorted(
-        f"/{f.name}" for f in files
-    )
+    assert all(Path(ref).parent == tmp_path / "cache" / "chat-images" for ref in loaded.images)
+    assert sorted(requests) == sorted(f"/{f.name}" for f in files)
     assert torch.equal(pixels, torch.stack([vd.load_image(str(f), 64) for f in files]))
 
 

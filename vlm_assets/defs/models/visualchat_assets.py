@@ -38,8 +38,10 @@ class VisualChatAssetConfig(VisualChatTrainConfig, AssetConfig):
         if self.encoder is not None:  # efficientnet_lite0 takes a weights file, the others a directory
             require_local(self.encoder, "config field encoder", directory=self.encoder_kind != "efficientnet_lite0")
         for path in self.chat_datasets:
-            if not Path(path).expanduser().is_file():
+            if not Path(path).expanduser().exists():
                 raise FileNotFoundError(f"config field chat_datasets: {path} does not exist")
+        if self.image_folder is not None and not Path(self.image_folder).expanduser().is_dir():
+            raise FileNotFoundError(f"config field image_folder: directory {self.image_folder} does not exist")
 
 
 class VQACheckConfig(ProfileDefaults, dg.Config):
@@ -84,10 +86,7 @@ def visualchat_model(
     key = artifact_key(context, config, upstream)
 
     def build(staging: Path, run: TrackedRun) -> Built:
-        from vlm_assets.data.visualchat_data import read_chat_jsonl
-
-        for path in sorted(config.chat_datasets):  # a bad record fails here, naming file:line, without retries
-            read_chat_jsonl(Path(path).expanduser(), config.max_images)
+        config.read_chat_datasets(sorted(config.chat_datasets))  # bad records fail here (FILE:N), not retried
         manifests = store.local_path(occlusion_manifests.key)
         inputs = {"occlusion_manifests": str(manifests)}
         if config.decoder == GPT_DECODER:

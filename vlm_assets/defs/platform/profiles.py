@@ -8,6 +8,7 @@ the UI's "Materialize" buttons, `dagster asset materialize` and the schedule all
 and a value given in run config still wins. A demo value a field rejects fails the load, naming it.
 """
 
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -15,6 +16,8 @@ import pydantic
 
 from vlm_assets.defs.platform.environment import profile
 from vlm_assets.paths import offline_data_dir
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "data" / "examples"  # package data (pyproject.toml)
 
 
 def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
@@ -54,8 +57,11 @@ def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
         # VisualChat on the graph's own GPT: the pretrained EfficientNet-Lite0 (frozen, its features cached),
         # an mlp projection, and the decoder with LoRA, trained with it (40 steps of Shakespeare teach a
         # decoder too little for LoRA alone), on the clean images as VQA (the manifest's prompt, and 400
-        # asked in other words) and two-image conversations.
+        # asked in other words) and two-image conversations, plus a small LLaVA-format file of real
+        # CIFAR-10 photos (24 conversations; README "Chat datasets").
         "VisualChatAssetConfig": {
+            "chat_datasets": {str(EXAMPLES / "cifar10_llava.json"): None},
+            "image_folder": str(data / "cifar10-samples"),
             "decoder": "gpt_checkpoint",
             "encoder_kind": "efficientnet_lite0",
             "projection": "mlp",
