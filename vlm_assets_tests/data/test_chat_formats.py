@@ -218,15 +218,12 @@ def test_unreachable_oversized_and_non_image_urls_are_named(images, tmp_path, mo
     assert text.startswith(f"{path}:3: {base}/notes.txt is not a readable image")
 
 
-def test_bad_llava_and_hf_records_are_named(images, tmp_path):
-    import datasets
+def bad_llava(images: list[Path]) -> tuple[Path, list[str]]:
+    """A LLaVA file of bad records, and the problems it must raise."""
 
     def llava(value: str, image, who: str = "human") -> dict:
-        return {
-            "id": "x",
-            "image": image,
-            "conversations": [{"from": who, "value": value}, {"from": "gpt", "value": "ok"}],
-        }
+        turns = [{"from": who, "value": value}, {"from": "gpt", "value": "ok"}]
+        return {"id": "x", "image": image, "conversations": turns}
 
     path = images[0].parent / "bad.json"
     path.write_text(
@@ -240,28 +237,50 @@ def test_bad_llava_and_hf_records_are_named(images, tmp_path):
             ]
         )
     )
-    with pytest.raises(cf.ChatDataError) as raised:
-        cf.read_chat_dataset(path, max_images=8)
-    assert raised.value.problems == [
+    folder = images[0].parent
+    return path, [
         f"{path}:1: 2 <image> marker(s) for 1 image(s): they must match",
         f"{path}:2: 0 <image> marker(s) for 1 image(s): they must match",
         f"{path}:3: unknown 'from' 'robot' (expected one of human, gpt, system)",
-        f"{path}:4: image file {images[0].parent / 'gone.png'} does not exist (nor in {images[0].parent / 'images'})",
+        f"{path}:4: image file {folder / 'gone.png'} does not exist (nor in {folder / 'images'})",
         f"{path}:5: no assistant turn: nothing to learn from",
     ]
+
+
+def bad_parquet(images: list[Path], tmp_path: Path) -> tuple[Path, list[str]]:
+    import datasets
+
     table = _hf_table(images)
-    table["images"][1] = table["images"][1][:1]  # two placeholders, one image
     table["images"][0] = [{"bytes": b"corrupt", "path": None}]
-    parquet = tmp_path / "bad.parquet"
-    datasets.Dataset.from_dict(table).to_parquet(str(parquet))
-    with pytest.raises(cf.ChatDataError) as raised:
-        cf.read_chat_dataset(parquet, max_images=8)
-    assert raised.value.problems[0].startswith(f"{parquet}:1: the image's bytes is not a readable image")
-    assert raised.value.problems[1] == f"{parquet}:2: 2 image placeholder(s) for 1 image(s): they must match"
-    columns = tmp_path / "columns.parquet"
-    datasets.Dataset.from_dict({"text": ["hi"]}).to_parquet(str(columns))
-    with pytest.raises(cf.ChatDataError, match=rf"{columns}: no column 'messages' or 'images' \(columns: text\)"):
-        cf.read_chat_dataset(columns, max_images=8)
+    table["images"][1] = table["images"][1][:1]  # two placeholders, one image
+    user = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+    table["messages"] += [[{**user, "role": "robot"}], [user]]
+    table["images"] += [[], []]
+    path = tmp_path / "bad.parquet"
+    datasets.Dataset.from_dict(table).to_parquet(str(path))
+    return path, [
+        f"{path}:1: the image's bytes is not a readable image",
+        f"{path}:2: 2 image placeholder(s) for 1 image(s): they must match",
+        f"{path}:3: unknown role 'robot' (expected one of system, user, assistant)",
+        f"{path}:4: no assistant turn: nothing to learn from",
+    ]
+
+
+def bad_columns(tmp_path: Path) -> tuple[Path, list[str]]:
+    import datasets
+
+    path = tmp_path / "columns.parquet"
+    datasets.Dataset.from_dict({"text": ["hi"]}).to_parquet(str(path))
+    return path, [f"{path}: no column 'messages' or 'images' (columns: text)"]
+
+
+def test_bad_llava_and_hf_records_are_named(images, tmp_path):
+    for path, expected in (bad_llava(images), bad_parquet(images, tmp_path), bad_columns(tmp_path)):
+        with pytest.raises(cf.ChatDataError) as raised:
+            cf.read_chat_dataset(path, max_images=8)
+        assert len(raised.value.problems) == len(expected), raised.value.problems
+        for problem, start in zip(raised.value.problems, expected):
+            assert problem.startswith(start), (problem, start)
 
 
 def _inspect(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
@@ -306,5 +325,12 @@ def test_the_inspector_prints_one_summary_per_file_and_exits_65_listing_every_ba
     assert [json.loads(line)["file"] for line in failed.stdout.splitlines()] == [str(chat)]
     named = [line for line in failed.stderr.splitlines() if line.startswith(f"{bad}:")]
     assert [line.split(":")[1] for line in named] == [str(n) for n in range(1, len(BAD_OPENAI) + 1)]
+    # The other formats' bad files, each record named
+    files = [bad_llava(images), bad_parquet(images, tmp_path), bad_columns(tmp_path)]
+    failed = _inspect(*[str(path) for path, _ in files], env_cache=cache)
+    assert failed.returncode == 65 and not failed.stdout
+    for _, expected in files:
+        for start in expected:
+            assert any(line.startswith(start) for line in failed.stderr.splitlines()), (start, failed.stderr)
     capped = _inspect(str(bad), "--max-errors", "2", env_cache=cache)
     assert capped.returncode == 65 and f"(and {len(BAD_OPENAI) - 2} more)" in capped.stderr
