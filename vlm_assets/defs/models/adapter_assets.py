@@ -3,21 +3,21 @@ frozen VLM, prove it helps, and register it in the MLflow Model Registry only wh
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import dagster as dg
 
 from vlm_assets.defs.platform.checks import artifact_scan
-from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher
+from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher, launch_trainer, numbers
 from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized, upstream_ref
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.memo import cache_key
-from vlm_assets.paths import require_local, runs_dir
+from vlm_assets.paths import require_local
 from vlm_assets.storage import ArtifactRef, ArtifactStore
 from vlm_assets.train.adapter_config import TINY_CLEAN, VISUALCHAT, AdapterTrainConfig
-from vlm_assets.train.run_config import RunPaths, write_run_file
+
+TRAINER_MODULE = "vlm_assets.train.adapter_train"
 
 
 class OcclusionAdapterConfig(AdapterTrainConfig, AssetConfig):
@@ -113,36 +113,30 @@ def occlusion_adapter(
             config.max_length,
             str(manifests / "train.jsonl"),
         )
-        work = Path(tempfile.mkdtemp(prefix="adapter-", dir=runs_dir()))
+        inputs = {"occlusion_manifests": str(manifests), "backbone": backbone}
         try:
-            paths = RunPaths(
-                inputs={"occlusion_manifests": str(manifests), "backbone": backbone},
-                out_dir=str(staging),
-                cache_dir=str(work),
-                checkpoint_store=artifact_store.spec(),
-                checkpoint_prefix=f"checkpoints/{key}",
-                mlflow_tracking_uri=mlflow.tracking_uri,
-                mlflow_run_id=run.run_id,
+            values = launch_trainer(
+                context,
+                launcher,
+                config,
+                TRAINER_MODULE,
+                key=key,
+                inputs=inputs,
+                staging=staging,
+                run=run,
+                artifact_store=artifact_store,
+                tracking_uri=mlflow.tracking_uri,
             )
-            write_run_file(work / "run.json", config, paths)
-            spec = config.launch_spec(
-                "vlm_assets.train.adapter_train", ("--config", str(work / "run.json")), name="occlusion_adapter"
+            partial = False
+        except dg.Failure as failure:
+            last_try = context.retry_number >= occlusion_adapter.op.retry_policy.max_retries
+            if not (config.materialize_partial_on_failure and last_try):
+                raise
+            context.log.warning(
+                f"training failed for good; materializing the last checkpoint as partial: {failure.description}"
             )
-            try:
-                reports = launcher.launch(context, spec)
-                values = {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}
-                partial = False
-            except dg.Failure as failure:
-                last_try = context.retry_number >= occlusion_adapter.op.retry_policy.max_retries
-                if not (config.materialize_partial_on_failure and last_try):
-                    raise
-                context.log.warning(
-                    f"training failed for good; materializing the last checkpoint as partial: {failure.description}"
-                )
-                values = partial_from_checkpoint(store, f"checkpoints/{key}", staging)
-                partial = True
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+            values = partial_from_checkpoint(store, f"checkpoints/{key}", staging)
+            partial = True
         rows = [json.loads(line) for line in (manifests / "train.jsonl").read_text().splitlines()[:1]]
         (staging / "backbone.json").write_text(
             json.dumps(
@@ -156,9 +150,7 @@ def occlusion_adapter(
             )
         )
         return Built(
-            metrics={k: float(v) for k, v in values.items() if isinstance(v, (int, float))},
-            metadata={"backbone": backbone, "partial": partial},
-            scan=weights_scan(staging),
+            metrics=numbers(values), metadata={"backbone": backbone, "partial": partial}, scan=weights_scan(staging)
         )
 
     return materialize_memoized(

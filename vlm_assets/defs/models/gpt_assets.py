@@ -10,7 +10,6 @@ topology, resumes from the newest intact one.
 import base64
 import json
 import math
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import dagster as dg
 from pydantic import Field
 
 from vlm_assets.defs.platform.checks import artifact_scan
-from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher
+from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher, launch_trainer, numbers
 from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
@@ -26,7 +25,6 @@ from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.paths import runs_dir
 from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.gpt_config import PretrainConfig
-from vlm_assets.train.run_config import RunPaths, write_run_file
 
 TRAINER_MODULE = "vlm_assets.train.gpt_pretrain"
 
@@ -67,30 +65,20 @@ def gpt_checkpoint(
     key = artifact_key(context, config, upstream)
 
     def build(staging: Path, run: TrackedRun) -> Built:
-        work = Path(tempfile.mkdtemp(prefix="gpt-", dir=runs_dir()))
-        try:
-            return _train(work, staging, run)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-
-    def _train(work: Path, staging: Path, run: TrackedRun) -> Built:
         from vlm_assets.train.plots import loss_curve_png
 
-        paths = RunPaths(
+        values = launch_trainer(
+            context,
+            launcher,
+            config,
+            TRAINER_MODULE,
+            key=key,
             inputs={"token_shards": token_shards.uri},
-            out_dir=str(staging),
-            cache_dir=str(work),
-            checkpoint_store=artifact_store.spec(),
-            checkpoint_prefix=f"checkpoints/{key}",
-            mlflow_tracking_uri=mlflow.tracking_uri,
-            mlflow_run_id=run.run_id,
+            staging=staging,
+            run=run,
+            artifact_store=artifact_store,
+            tracking_uri=mlflow.tracking_uri,
         )
-        write_run_file(work / "run.json", config, paths)
-        spec = config.launch_spec(TRAINER_MODULE, ("--config", str(work / "run.json")), name="gpt_checkpoint")
-        reports = launcher.launch(context, spec)
-        if len(reports) != 1:
-            raise RuntimeError(f"the trainer reported {len(reports)} materializations through Pipes, expected 1")
-        values = {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}
         history = json.loads((staging / "history.json").read_text())
         vocab = json.loads((staging / "hf" / "config.json").read_text())["vocab_size"]
         png = loss_curve_png(
@@ -102,7 +90,7 @@ def gpt_checkpoint(
         run.log_artifact(str(staging / "loss_curve.png"))
         return Built(
             scan=export_scan(staging, token_shards.uri),
-            metrics={k: float(v) for k, v in values.items() if isinstance(v, (int, float))},
+            metrics=numbers(values),
             metadata={"checkpoint_key": values["checkpoint"], "strategy": values["strategy"], "vocab_size": vocab},
             markdown={"loss_curve": f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"},
         )

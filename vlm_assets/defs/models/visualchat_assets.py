@@ -9,22 +9,19 @@ every process, and commits what rank 0 wrote.
 
 import base64
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
 
-from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher
+from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher, launch_trainer, numbers
 from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized, upstream_ref
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
-from vlm_assets.paths import require_local, runs_dir
+from vlm_assets.paths import require_local
 from vlm_assets.storage import ArtifactRef
-from vlm_assets.train.run_config import RunPaths, write_run_file
 from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfig
 
 TRAINER_MODULE = "vlm_assets.train.visualchat_train"
@@ -91,29 +88,20 @@ def visualchat_model(
         inputs = {"occlusion_manifests": str(manifests)}
         if config.decoder == GPT_DECODER:
             inputs["decoder"] = str(store.local_path(upstream["gpt_checkpoint"].key) / "hf")
-        work = Path(tempfile.mkdtemp(prefix="visualchat-", dir=runs_dir()))
-        try:
-            paths = RunPaths(
-                inputs=inputs,
-                out_dir=str(staging),
-                cache_dir=str(work),
-                checkpoint_store=artifact_store.spec(),
-                checkpoint_prefix=f"checkpoints/{key}",
-                mlflow_tracking_uri=mlflow.tracking_uri,
-                mlflow_run_id=run.run_id,
-            )
-            write_run_file(work / "run.json", config, paths)
-            reports = launcher.launch(
-                context,
-                config.launch_spec(TRAINER_MODULE, ("--config", str(work / "run.json")), name="visualchat_model"),
-            )
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        if len(reports) != 1:
-            raise RuntimeError(f"the trainer reported {len(reports)} materializations through Pipes, expected 1")
-        values = {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}
+        values = launch_trainer(
+            context,
+            launcher,
+            config,
+            TRAINER_MODULE,
+            key=key,
+            inputs=inputs,
+            staging=staging,
+            run=run,
+            artifact_store=artifact_store,
+            tracking_uri=mlflow.tracking_uri,
+        )
         return Built(
-            metrics={k: float(v) for k, v in values.items() if isinstance(v, (int, float))},
+            metrics=numbers(values),
             metadata={"decoder": inputs.get("decoder", config.decoder)},
             markdown=report_markdown(staging, run, config),
         )
