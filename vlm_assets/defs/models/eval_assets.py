@@ -10,7 +10,7 @@ from pydantic import Field
 from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
-from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun, register_champion
 from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
 from vlm_assets.storage import ArtifactRef
 
@@ -224,27 +224,16 @@ def registered_adapter(
     mended on the next run. Downstream of the blocking eval checks: it never runs when they fail.
     Load it with ``mlflow.pyfunc.load_model('models:/<name>@<alias>')``."""
     from vlm_assets.models.adapter_card import DESCRIPTION
-    from vlm_assets.models.registry import register_once
 
     store = artifact_store.get_store()
-    weights_sha = store.read_manifest(occlusion_adapter.key).files["adapter.safetensors"]["sha256"]
-
-    def log_model():
-        tags = {"dagster.run_id": context.run.run_id, "dagster.asset": "registered_adapter"}
-        with mlflow.start_run(run_name="registered_adapter", tags=tags) as run:
-            return log_adapter_model(run, store.local_path(occlusion_adapter.key), mlflow.tracking_uri)
-
-    with mlflow.registry_errors():
-        entry = register_once(mlflow.client(), config.model_name, config.alias, weights_sha, log_model, DESCRIPTION)
-    context.log.info(f"{entry.name}@{entry.alias} -> v{entry.version} ({entry.action})")
-    return dg.MaterializeResult(
-        metadata={
-            "model": f"models:/{entry.name}@{entry.alias}",
-            "model_version": entry.version,
-            "registry": entry.action,
-            "weights_sha256": weights_sha,
-            "registry_uri": mlflow.tracking_uri,
-        }
+    return register_champion(
+        context,
+        mlflow,
+        model_name=config.model_name,
+        alias=config.alias,
+        weights_sha256=store.read_manifest(occlusion_adapter.key).files["adapter.safetensors"]["sha256"],
+        log_model=lambda run: log_adapter_model(run, store.local_path(occlusion_adapter.key), mlflow.tracking_uri),
+        description=DESCRIPTION,
     )
 
 

@@ -18,7 +18,7 @@ from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher, l
 from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized, upstream_ref
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
-from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun, register_champion
 from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
 from vlm_assets.paths import require_local
 from vlm_assets.storage import ArtifactRef
@@ -215,29 +215,18 @@ def registered_visualchat(
     is found by the sha256 of the model's files, so the same model never makes a second version. Runs only
     when the blocking checks of ``visualchat_model`` passed. Chat with it:
     ``python -m vlm_assets.chat models:/visualchat@champion``."""
-    from vlm_assets.models.registry import register_once
     from vlm_assets.models.visualchat_card import DESCRIPTION
 
     store = artifact_store.get_store()
     files = store.read_manifest(visualchat_model.key).files
-    weights_sha = combined_sha256({p: f["sha256"] for p, f in files.items() if p.startswith("model/")})
-
-    def log_model():
-        tags = {"dagster.run_id": context.run.run_id, "dagster.asset": "registered_visualchat"}
-        with mlflow.start_run(run_name="registered_visualchat", tags=tags) as run:
-            return log_visualchat_model(run, store.local_path(visualchat_model.key), mlflow.tracking_uri)
-
-    with mlflow.registry_errors():
-        entry = register_once(mlflow.client(), config.model_name, config.alias, weights_sha, log_model, DESCRIPTION)
-    context.log.info(f"{entry.name}@{entry.alias} -> v{entry.version} ({entry.action})")
-    return dg.MaterializeResult(
-        metadata={
-            "model": f"models:/{entry.name}@{entry.alias}",
-            "model_version": entry.version,
-            "registry": entry.action,
-            "weights_sha256": weights_sha,
-            "registry_uri": mlflow.tracking_uri,
-        }
+    return register_champion(
+        context,
+        mlflow,
+        model_name=config.model_name,
+        alias=config.alias,
+        weights_sha256=combined_sha256({p: f["sha256"] for p, f in files.items() if p.startswith("model/")}),
+        log_model=lambda run: log_visualchat_model(run, store.local_path(visualchat_model.key), mlflow.tracking_uri),
+        description=DESCRIPTION,
     )
 
 
