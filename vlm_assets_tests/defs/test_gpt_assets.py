@@ -238,7 +238,7 @@ def test_timeout_then_a_longer_timeout_resumes_from_the_last_checkpoint(ddp_run,
     known step; the rerun with a raised timeout_s has the same key and resumes there."""
     env = Env(tmp_path, mlflow_uri)
     freezer, frozen = _signal_after_checkpoints(env, str(tmp_path), 1, signal.SIGSTOP)
-    first = env.materialize(run_config(offline_data, timeout_s=60), raise_on_error=False)
+    first = env.materialize(run_config(offline_data, timeout_s=35), raise_on_error=False)
     freezer.join()
     assert frozen, "the job was never frozen after a checkpoint"
     assert not first.success
@@ -283,7 +283,7 @@ def test_a_rerun_on_another_world_size_resumes_and_ends_near_the_same_loss(ddp_r
     0.12 nats (7.51 vs 7.39) when measured; the bound here is 5 %."""
     env = Env(tmp_path, mlflow_uri)
     freezer, frozen = _signal_after_checkpoints(env, str(tmp_path), 1, signal.SIGSTOP)
-    assert not env.materialize(run_config(offline_data, timeout_s=60), raise_on_error=False).success
+    assert not env.materialize(run_config(offline_data, timeout_s=35), raise_on_error=False).success
     freezer.join()
     assert frozen, "the job was never frozen after a checkpoint"
 

@@ -120,10 +120,7 @@ def team(offline_data):
     env = {
         **os.environ,
         "VLM_SERVICES_WEB_PORT": str(free_port()),
-        # The README's team setup on the demo graph, shortened (profile "smoke": the demo's VisualChat and
-        # adapter trained shorter, every gate in force): the deployment is under test here, the demo's own
-        # numbers are test_main_job's.
-        "VLM_ASSETS_PROFILE": "smoke",
+        "VLM_ASSETS_PROFILE": "demo",  # the README's team setup (the in-process tests run "seed")
         # main_schedule every minute, so that a tick is seen within a test
         "VLM_ASSETS_SCHEDULE_CRON": "* * * * *",
     }
@@ -135,7 +132,7 @@ def team(offline_data):
         dump = subprocess.run(["bash", "-c", f"source {root}/env.sh && env -0"], capture_output=True, check=True).stdout
         after = dict(item.split("=", 1) for item in dump.decode().split("\0") if "=" in item)
         team_env = {k: v for k, v in after.items() if os.environ.get(k) != v and k not in ("SHLVL", "_", "PWD")}
-        team_env.update(VLM_ASSETS_SCHEDULE_CRON="* * * * *", VLM_ASSETS_PROFILE="smoke")
+        team_env.update(VLM_ASSETS_SCHEDULE_CRON="* * * * *", VLM_ASSETS_PROFILE="demo")
         yield Team(root, team_env)
     finally:
         pids = (

@@ -6,8 +6,7 @@
 ``VLM_ASSETS_LAUNCHER`` ``local`` (default: torchrun processes on this machine, loopback rendezvous) or
                         ``k8s`` (pods in a cluster; ``VLM_ASSETS_K8S_CONFIG``: a YAML file of the launcher's
                         settings, ``vlm_assets.launch.k8s.PodSettings``; kubeconfig: ``KUBECONFIG`` or in-cluster)
-``VLM_ASSETS_PROFILE``  ``demo`` (default: offline real data, tiny models, CPU), ``smoke`` (the demo, shorter) or
-                        ``seed`` (full scale)
+``VLM_ASSETS_PROFILE``  ``demo`` (default: offline real data, tiny models, CPU) or ``seed`` (full scale)
 ``VLM_ASSETS_ON_BUSY``  ``wait`` (default) or ``fail``: a key another live attempt is building
 ``VLM_ASSETS_LEASE_TTL_S`` seconds without renewal after which a builder's lease expires (default 120)
 ``VLM_ASSETS_SCHEDULE_CRON`` cron of ``main_schedule`` (default ``0 3 * * *``)
@@ -24,7 +23,7 @@ from vlm_assets.defs.platform.storage import LocalArtifactStoreResource, S3Artif
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 from vlm_assets.paths import cache_dir, home_dir
 
-PROFILES = ("demo", "smoke", "seed")
+PROFILES = ("demo", "seed")
 
 
 def profile(env: Mapping[str, str] = os.environ) -> str:

@@ -24,26 +24,7 @@ def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
     """Config class name -> field defaults of the profile (empty for ``seed``)."""
     if name == "seed":
         return {}
-    demo = _demo(offline_data_dir())
-    if name == "smoke":  # the demo graph with its longest steps shortened: for tests of the platform
-        for config, values in SMOKE.items():
-            demo[config] = {**demo[config], **values}
-    return demo
-
-
-# The team-services test's workload (what it tests is the deployment, not the models): the demo's
-# VisualChat and adapter trained shorter and judged on fewer images, every gate still in force.
-SMOKE: dict[str, dict[str, Any]] = {
-    "VisualChatAssetConfig": {
-        "max_steps": 120,
-        "vqa_count": 400,
-        "phrasing_count": 200,
-        "pair_count": 50,
-        "checkpoint_every": 60,
-    },
-    "OcclusionAdapterConfig": {"epochs": 4, "reconstruction_warmup_epochs": 4},
-    "EvalReportConfig": {"num_samples": 200},
-}
+    return _demo(offline_data_dir())
 
 
 def _demo(data: Path) -> dict[str, dict[str, Any]]:
