@@ -270,6 +270,36 @@ def test_bad_input_fails_at_once_naming_the_file_line_or_field(pipeline, offline
     assert f"config field decoder: directory {tmp_path / 'no-decoder'} does not exist" in _failure(result)
 
 
+def test_every_bad_chat_record_of_every_format_fails_the_asset_naming_it(pipeline, offline_data, models, tmp_path):
+    """The inspector's bad files (OpenAI, LLaVA, Parquet rows, Parquet columns) through the asset: each
+    fails at once, no retry, nothing trained, and the failure names every bad record as FILE:N."""
+    import shutil
+
+    from vlm_assets_tests.data.test_chat_formats import BAD_OPENAI, bad_columns, bad_llava, bad_parquet, write_jsonl
+
+    env, _ = pipeline
+    folder = tmp_path / "images"
+    folder.mkdir()
+    images = [Path(shutil.copy(f, folder)) for f in sorted((offline_data / "cifar10-samples").glob("*.png"))[:4]]
+    openai = write_jsonl(folder / "bad.jsonl", *[record for record, _ in BAD_OPENAI])
+    expected_openai = [f"{openai}:{n}: " for n in range(1, len(BAD_OPENAI) + 1)]
+    for path, expected in (
+        (openai, expected_openai),
+        bad_llava(images),
+        bad_parquet(images, tmp_path),
+        bad_columns(tmp_path),
+    ):
+        result = env.materialize(
+            run_config(offline_data, models, {"chat_datasets": {str(path): None}}), raise_on_error=False
+        )
+        failure = _failure(result)
+        assert "ChatDataError" in failure, failure
+        for start in expected:
+            assert start in failure, (start, failure)
+        assert not result.asset_materializations_for_node("visualchat_model")
+        assert not [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]
+
+
 def test_a_deps_upstream_is_read_from_this_run_before_a_newer_one_elsewhere(embedded, offline_data):
     """`decoder: gpt_checkpoint` and `backbone: visualchat` read their upstream through `upstream_ref`:
     this run's materialization of it wins over a newer one of another run (another config)."""
