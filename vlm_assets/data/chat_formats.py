@@ -318,7 +318,9 @@ def _hf_rows(path: Path) -> Iterator[tuple[int, object]]:
 def detect_format(path: Path) -> str:
     if path.is_dir() or path.suffix == ".parquet":
         return "hf"
-    for _, first in _json_rows(path):
+    for n, first in _json_rows(path):
+        if isinstance(first, BadRecord):  # the first record is not JSON: say so, not "which format"
+            raise ChatDataError([f"{path}:{n}: {first}"])
         if isinstance(first, dict) and "conversations" in first:
             return "llava"
         if isinstance(first, dict) and "messages" in first:

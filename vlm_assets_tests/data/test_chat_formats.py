@@ -191,6 +191,15 @@ def test_every_bad_openai_record_is_named_with_its_line_and_all_are_listed(image
         assert re.search(reason, problem), (reason, problem)
 
 
+def test_a_file_that_is_not_json_is_named_with_its_line(tmp_path):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"messages": [\n')
+    with pytest.raises(cf.ChatDataError, match=rf"{broken}:1: not JSON"):
+        cf.read_chat_dataset(broken, max_images=8)
+    with pytest.raises(ValueError, match="cannot tell the chat format"):
+        cf.read_chat_dataset(write_jsonl(tmp_path / "other.jsonl", {"text": "hi"}), max_images=8)
+
+
 def test_unreachable_oversized_and_non_image_urls_are_named(images, tmp_path, monkeypatch):
     monkeypatch.setattr(cf, "FETCH_TIMEOUT_S", 5.0)
     (images[0].parent / "notes.txt").write_text("not an image")
