@@ -25,6 +25,7 @@ import binascii
 import dataclasses
 import hashlib
 import io
+import itertools
 import json
 import os
 import time
@@ -254,13 +255,6 @@ def hf_record(data: dict, folders: list[Path]) -> tuple[list[dict], list[str]]:
             return resolve_image(image["path"], folders)
         raise BadRecord(f"an image with neither bytes nor a path: {str(image)[:80]}")
 
-    if isinstance(messages, list):
-        messages = [
-            {"role": m.get("role"), "content": m["content"]}
-            if isinstance(m, dict) and isinstance(m.get("content"), (str, list))
-            else m
-            for m in messages
-        ]
     return _check_messages(messages, image_of)
 
 
@@ -318,14 +312,19 @@ def _hf_rows(path: Path) -> Iterator[tuple[int, object]]:
 def detect_format(path: Path) -> str:
     if path.is_dir() or path.suffix == ".parquet":
         return "hf"
-    for n, first in _json_rows(path):
-        if isinstance(first, BadRecord):  # the first record is not JSON: say so, not "which format"
-            raise ChatDataError([f"{path}:{n}: {first}"])
-        if isinstance(first, dict) and "conversations" in first:
+    return _json_format(path, next(_json_rows(path), None))
+
+
+def _json_format(path: Path, first: tuple[int, object] | None) -> str:
+    """The format of a JSON / JSONL file, told by its first row ``(N, record)``."""
+    if first is not None:
+        n, record = first
+        if isinstance(record, BadRecord):  # the first record is not JSON: say so, not "which format"
+            raise ChatDataError([f"{path}:{n}: {record}"])
+        if isinstance(record, dict) and "conversations" in record:
             return "llava"
-        if isinstance(first, dict) and "messages" in first:
+        if isinstance(record, dict) and "messages" in record:
             return "openai"
-        break
     raise ValueError(
         f"{path}: cannot tell the chat format from the first record (expected 'messages' (OpenAI), "
         "'conversations' (LLaVA), or a Parquet / datasets folder); set format explicitly"
@@ -347,7 +346,16 @@ def read_chat_dataset(
         raise ValueError(f"format {format!r}: expected one of {', '.join(FORMATS)}")
     if not path.exists():
         raise FileNotFoundError(f"chat dataset {path} does not exist")
-    kind = detect_format(path) if format == "auto" else format
+    rows = None
+    if format != "auto":
+        kind = format
+    elif path.is_dir() or path.suffix == ".parquet":
+        kind = "hf"
+    else:  # told by the first row of the one parse the records come from
+        rows = _json_rows(path)
+        first = next(rows, None)
+        kind = _json_format(path, first)
+        rows = itertools.chain([first], rows)
     base = path if path.is_dir() else path.parent
     if image_folder is not None:
         folders = [Path(image_folder).expanduser()]
@@ -356,7 +364,8 @@ def read_chat_dataset(
     else:
         folders = [base]
     problems, more, records = [], 0, []
-    rows = _hf_rows(path) if kind == "hf" else _json_rows(path)
+    if rows is None:
+        rows = _hf_rows(path) if kind == "hf" else _json_rows(path)
     try:
         for n, data in rows:
             where = f"{path}:{n}"
