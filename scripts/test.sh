@@ -18,4 +18,8 @@ ruff check --quiet . && ruff format --check --quiet . \
   || { echo "lint failed: 'ruff check --fix . && ruff format .' fixes most of it" >&2; exit 1; }
 marker=(-m "not gpu")
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then marker=(); fi
-exec python -m pytest "${marker[@]}" -p no:cacheprovider "$@"
+# VLM_TEST_DEADLINE (epoch seconds, .ci/run sets it): no test starts after it (pytest-timeout's
+# session timeout); each test is limited to 20 minutes (pyproject.toml).
+deadline=()
+if [ -n "${VLM_TEST_DEADLINE:-}" ]; then deadline=(--session-timeout "$(( VLM_TEST_DEADLINE - $(date +%s) ))"); fi
+exec python -m pytest "${marker[@]}" "${deadline[@]}" -p no:cacheprovider "$@"

@@ -94,23 +94,26 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint():
+def s3_endpoint(tmp_path_factory):
     """moto's standalone S3 server as a separate process on loopback: real HTTP, real boto3 client."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while time.time() < deadline:
+    deadline = time.monotonic() + 180  # a cold, loaded machine imports moto's ~100 service modules slowly
+    while proc.poll() is None and time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
             break
         time.sleep(0.2)
     else:
         proc.kill()
-        pytest.fail("moto server did not start")
+        proc.wait()
+        pytest.fail(f"moto server did not start (exit {proc.returncode}); its log:\n{log.read_text()[-3000:]}")
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     yield url
     proc.terminate()

@@ -4,7 +4,7 @@ of its own."""
 
 import dagster as dg
 
-from vlm_assets.defs.platform.environment import schedule_cron
+from vlm_assets.defs.platform.environment import schedule_cron, schedule_job
 
 
 @dg.definitions
@@ -33,10 +33,11 @@ def jobs() -> dg.Definitions:
             ("visualchat", "visualchat_model", "occlusion_manifests"),
         )
     ]
+    jobs = {job.name: job for job in (main_job, *trainer_jobs)}
     main_schedule = dg.ScheduleDefinition(
         name="main_schedule",
-        job=main_job,
+        job=jobs[schedule_job(list(jobs))],
         cron_schedule=schedule_cron(),
         default_status=dg.DefaultScheduleStatus.STOPPED,
     )
-    return dg.Definitions(jobs=[main_job, *trainer_jobs], schedules=[main_schedule])
+    return dg.Definitions(jobs=list(jobs.values()), schedules=[main_schedule])

@@ -9,7 +9,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from vlm_assets.defs.platform.environment import profile, resources_for, schedule_cron
+from vlm_assets.defs.platform.environment import profile, resources_for, schedule_cron, schedule_job
 
 
 def test_definitions_snapshot():
@@ -96,6 +96,11 @@ def test_environment_switches(tmp_path, monkeypatch):
     assert schedule_cron({}) == "0 3 * * *" and schedule_cron({"VLM_ASSETS_SCHEDULE_CRON": "*/5 * * * *"})
     with pytest.raises(ValueError, match="VLM_ASSETS_SCHEDULE_CRON='every day'"):
         schedule_cron({"VLM_ASSETS_SCHEDULE_CRON": "every day"})
+    jobs = ["main_job", "gpt_job"]
+    assert schedule_job(jobs, {}) == "main_job"
+    assert schedule_job(jobs, {"VLM_ASSETS_SCHEDULE_JOB": "gpt_job"}) == "gpt_job"
+    with pytest.raises(ValueError, match="VLM_ASSETS_SCHEDULE_JOB='nightly_job': expected one of"):
+        schedule_job(jobs, {"VLM_ASSETS_SCHEDULE_JOB": "nightly_job"})
 
 
 def _defaults_in_a_fresh_process(profile_name: str, extra_code: str = "") -> subprocess.CompletedProcess:

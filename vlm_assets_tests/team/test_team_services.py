@@ -3,7 +3,6 @@ MLflow's backend store, moto's S3 server for artifacts and MLflow's artifacts, t
 server, dagster-daemon and the webserver, all on 127.0.0.1. Runs are launched through the webserver's
 GraphQL API (queued, then launched by the daemon) or by `dagster job execute` on the same instance."""
 
-import json
 import os
 import signal
 import subprocess
@@ -123,6 +122,7 @@ def team(offline_data):
         "VLM_ASSETS_PROFILE": "demo",  # the README's team setup (the in-process tests run "seed")
         # main_schedule every minute, so that a tick is seen within a test
         "VLM_ASSETS_SCHEDULE_CRON": "* * * * *",
+        "VLM_ASSETS_SCHEDULE_JOB": "gpt_job",
     }
     up = subprocess.run(
         [str(REPO / "scripts" / "services.sh"), "up", str(root)], env=env, capture_output=True, text=True, timeout=600
@@ -132,7 +132,8 @@ def team(offline_data):
         dump = subprocess.run(["bash", "-c", f"source {root}/env.sh && env -0"], capture_output=True, check=True).stdout
         after = dict(item.split("=", 1) for item in dump.decode().split("\0") if "=" in item)
         team_env = {k: v for k, v in after.items() if os.environ.get(k) != v and k not in ("SHLVL", "_", "PWD")}
-        team_env.update(VLM_ASSETS_SCHEDULE_CRON="* * * * *", VLM_ASSETS_PROFILE="demo")
+        chosen = ("VLM_ASSETS_SCHEDULE_CRON", "VLM_ASSETS_SCHEDULE_JOB", "VLM_ASSETS_PROFILE")
+        team_env.update({k: env[k] for k in chosen})
         yield Team(root, team_env)
     finally:
         pids = (
@@ -196,16 +197,18 @@ def _training_windows(instance, run_ids: list[str]) -> list[tuple[float, float, 
 
 
 def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_reruns_from_cache(team):
-    """main_job and a gpt_job (another seed: another key) launched at once through the webserver
-    (queued, launched by the daemon): both run (the queue allows 4), both succeed, and no two
-    training steps ever overlap (pool vlm_training, limit 1). The MLflow server is stopped and
-    restarted while main_job's GPT trains: the MLflow client's retries carry the metrics over the gap.
-    Then main_schedule (every minute here) ticks under the daemon: its run is all cache hits, and
-    the registry alias set through the server still points at the one version."""
+    """Two gpt_jobs launched at once through the webserver (queued, launched by the daemon): the demo's
+    and a shorter one of another seed (another key). Both run (the queue allows 4), both succeed, and
+    their training steps never overlap (pool vlm_training, limit 1). The MLflow server is stopped and
+    restarted while the first trains: the MLflow client's retries carry the metrics over the gap, and
+    its loss curve reaches S3 through the server's artifact proxy. Then main_schedule (every minute
+    here, running gpt_job) ticks under the daemon: its run is a cache hit and trains nothing.
+    (main_job on the demo profile, registration included, is test_main_job's: on this deployment it
+    would train the same models a second time in the suite.)"""
     import dagster as dg
     from mlflow import MlflowClient
 
-    main = team.launch("main_job")
+    main = team.launch("gpt_job")
     other = team.launch(
         "gpt_job",
         {
@@ -233,7 +236,7 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
             r.event_log_entry.user_message.startswith("checkpoint step") for r in connection.records
         ) or team.status(main) in ("SUCCESS", "FAILURE")
 
-    _wait(main_gpt_checkpointed, 900, "main_job's GPT to commit a checkpoint", every=1)
+    _wait(main_gpt_checkpointed, 900, "the first gpt_job to commit a checkpoint", every=1)
     assert team.status(main) == "STARTED", team.failure(main)
     _restart(team, "mlflow")
     assert [team.wait_for_end(r, 900) for r in (main, other)] == ["SUCCESS", "SUCCESS"], [
@@ -241,8 +244,8 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
     ]
 
     windows = _training_windows(instance, [main, other])
-    assert len(windows) == 4, windows
-    assert all(a[1] <= b[0] for a, b in zip(windows, windows[1:])), f"training steps held the pool at once: {windows}"
+    assert len(windows) == 2, windows
+    assert windows[0][1] <= windows[1][0], f"training steps held the pool at once: {windows}"
     stats = [instance.get_run_stats(r) for r in (main, other)]
     assert abs(stats[0].start_time - stats[1].start_time) < 60  # both started: they waited on the pool, not the queue
 
@@ -255,7 +258,19 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
     assert [r.info.status for r in gpt] == ["FINISHED"]
     steps = [m.step for m in client.get_metric_history(gpt[0].info.run_id, "train/loss")]
     assert steps and steps[-1] == 40, steps  # logged on both sides of the restart (log_every 10, 40 steps)
-    assert client.get_model_version_by_alias("occlusion_adapter", "champion").version == "1"
+    curve = Path(client.download_artifacts(gpt[0].info.run_id, "loss_curve.png", str(team.root)))
+    assert curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import boto3
+
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=team.env["AWS_ENDPOINT_URL"],
+        region_name="us-east-1",
+        aws_access_key_id=team.env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=team.env["AWS_SECRET_ACCESS_KEY"],
+    )
+    stored = s3.list_objects_v2(Bucket=team.env["VLM_ASSETS_S3_BUCKET"], Prefix="mlflow/")
+    assert any(o["Key"].endswith(f"{gpt[0].info.run_id}/artifacts/loss_curve.png") for o in stored.get("Contents", []))
 
     assert team.run("schedule", "start", "main_schedule", "-w", "workspace.yaml").returncode == 0
     try:
@@ -267,6 +282,7 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
         scheduled = _wait(scheduled_run, 150, "a tick of main_schedule to launch a run", every=2)
     finally:
         assert team.run("schedule", "stop", "main_schedule", "-w", "workspace.yaml").returncode == 0
+    assert instance.get_run_by_id(scheduled).job_name == "gpt_job"
     assert team.wait_for_end(scheduled, 600) == "SUCCESS", team.failure(scheduled)
     events = instance.get_records_for_run(scheduled, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION).records
     caches = {
@@ -275,9 +291,7 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
         )
         for e in events
     }
-    assert caches["gpt_checkpoint"] == "hit" and caches["occlusion_adapter"] == "hit", caches
-    assert all(v in ("hit", None) for v in caches.values()), caches
-    assert client.get_model_version_by_alias("occlusion_adapter", "champion").version == "1"  # no second version
+    assert caches == {"token_shards": "hit", "gpt_checkpoint": "hit"}, caches
 
 
 def test_postgres_unreachable_fails_naming_the_host(team):
@@ -313,4 +327,4 @@ def test_instance_migrate_on_a_copy_keeps_every_run(team):
                 mp.setenv(k, v)
         copy = dg.DagsterInstance.from_config(team.env["DAGSTER_HOME"])
         assert sorted(r.run_id for r in copy.get_runs()) == sorted(r.run_id for r in original.get_runs())
-        assert json.dumps(sorted(str(r.status) for r in copy.get_runs()))
+        assert {r.run_id: r.status for r in copy.get_runs()} == {r.run_id: r.status for r in original.get_runs()}

@@ -10,6 +10,7 @@
 ``VLM_ASSETS_ON_BUSY``  ``wait`` (default) or ``fail``: a key another live attempt is building
 ``VLM_ASSETS_LEASE_TTL_S`` seconds without renewal after which a builder's lease expires (default 120)
 ``VLM_ASSETS_SCHEDULE_CRON`` cron of ``main_schedule`` (default ``0 3 * * *``)
+``VLM_ASSETS_SCHEDULE_JOB``  the job ``main_schedule`` runs (default ``main_job``; e.g. ``gpt_job``)
 """
 
 import os
@@ -42,6 +43,13 @@ def schedule_cron(env: Mapping[str, str] = os.environ) -> str:
     if not is_valid_cron_string(cron):
         raise ValueError(f"VLM_ASSETS_SCHEDULE_CRON={cron!r} is not a cron schedule (e.g. '0 3 * * *')")
     return cron
+
+
+def schedule_job(jobs: list[str], env: Mapping[str, str] = os.environ) -> str:
+    name = env.get("VLM_ASSETS_SCHEDULE_JOB", "main_job")
+    if name not in jobs:
+        raise ValueError(f"VLM_ASSETS_SCHEDULE_JOB={name!r}: expected one of {sorted(jobs)}")
+    return name
 
 
 def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.ConfigurableResource]:
