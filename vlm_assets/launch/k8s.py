@@ -495,12 +495,12 @@ def _supervise(launch: Launch, core, lines, tails, on_line, stop, poll_s) -> Non
         drain(poll_s)
         failure = _failure(launch, pods, seen, started)
         if failure is not None:
-            index, reason, exit_code, retryable = failure
+            index, reason, exit_code, cause = failure
             stop_wait = time.monotonic() + 5  # the failing pod's last lines
             if (thread := streaming.get(index)) is not None:
                 thread.join(timeout=max(0.0, stop_wait - time.monotonic()))
             drain(0.5)
-            raise LaunchFailed(index, exit_code, _worker_exit_code(tails[index]), list(tails[index]), reason, retryable)
+            raise LaunchFailed(index, exit_code, _worker_exit_code(tails[index]), list(tails[index]), reason, cause)
         phases = [p.status.phase for p in pods.by_index.values()]
         if len(phases) == spec.num_nodes and all(p == "Succeeded" for p in phases):
             for thread in streaming.values():
@@ -510,37 +510,47 @@ def _supervise(launch: Launch, core, lines, tails, on_line, stop, poll_s) -> Non
         if time.monotonic() > deadline:
             drain(0.5)
             raise LaunchFailed(
-                0, None, None, list(tails[0]), f"{spec.name} ran past its {spec.timeout_s} s timeout", retryable=False
+                0, None, None, list(tails[0]), f"{spec.name} ran past its {spec.timeout_s} s timeout", "timeout"
             )
 
 
-def _failure(launch: Launch, pods: _Pods, seen: set[int], started: float) -> tuple[int, str, int | None, bool] | None:
-    """``(node, reason, exit code, retryable)`` of the first pod that makes the launch fail, if any."""
+def _failure(
+    launch: Launch, pods: _Pods, seen: set[int], started: float
+) -> tuple[int, str, int | None, str | None] | None:
+    """``(node, reason, exit code, cause)`` of the first pod that makes the launch fail, if any: the
+    cause as ``retry.RULES`` names it when the pod's status tells it, else None (the exit codes and
+    last lines tell)."""
     settings = launch.settings
     for index in range(launch.spec.num_nodes):
         pod = pods.by_index.get(index)
         name = launch.pod_name(index) if settings.mode == "pods" else f"{launch.name} index {index}"
         if pod is None:
             if index in seen:
-                return index, f"pod {name} was deleted (by someone else, or its node was lost)", None, True
+                return index, f"pod {name} was deleted (by someone else, or its node was lost)", None, "evicted"
             continue
         name = pod.metadata.name
         status = pod.status
         if pod.metadata.deletion_timestamp is not None:
-            return index, f"pod {name} is being deleted (by someone else, or its node was drained or lost)", None, True
+            return (
+                index,
+                f"pod {name} is being deleted (by someone else, or its node was drained or lost)",
+                None,
+                "evicted",
+            )
         if status.phase == "Failed":
             terminated = _terminated(pod)
             code = terminated.exit_code if terminated is not None else None
             if status.reason:  # Evicted, DeadlineExceeded, NodeLost...
-                return index, f"pod {name} failed: {status.reason}: {status.message or ''}".rstrip(": "), code, True
+                cause = "timeout" if status.reason == "DeadlineExceeded" else "evicted"
+                return index, f"pod {name} failed: {status.reason}: {status.message or ''}".rstrip(": "), code, cause
             why = f" ({terminated.reason})" if terminated is not None and terminated.reason else ""
-            return index, f"pod {name} failed: container exit code {code}{why}", code, True
+            return index, f"pod {name} failed: container exit code {code}{why}", code, None
         if status.phase == "Pending" and time.monotonic() - started > settings.pending_timeout_s:
             return (
                 index,
                 f"pod {name} still Pending after {settings.pending_timeout_s} s: {_pending_reason(pod)}",
                 None,
-                False,
+                "unschedulable",
             )
     return None
 

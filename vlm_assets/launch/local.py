@@ -23,12 +23,14 @@ import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from vlm_assets.launch.retry import Rule, rule_for
 from vlm_assets.launch.spec import SHARED_HOST_ENV, LaunchSpec
 
 # Lines kept per node for the failure: torchrun's own traceback and summary alone are about 40 on a
 # 2-process node, and a trainer's BAD_INPUT line comes just before them.
 _TAIL_LINES = 100
 _GRACE_S = 15.0
+_PEERS_S = 3.0
 
 
 @dataclasses.dataclass
@@ -40,7 +42,19 @@ class LaunchFailed(RuntimeError):
     worker_exit_code: int | None  # the failing worker's own code when torchrun reports it (-9 = SIGKILL)
     tail: list[str]
     reason: str
-    retryable: bool = True  # False: a retry would fail the same way (the time limit, an unschedulable request)
+    # What the launcher saw itself ("timeout", "unschedulable", "evicted": ``retry.RULES``); None: the
+    # exit codes and the last lines tell.
+    cause: str | None = None
+
+    @property
+    def rule(self) -> Rule:
+        return rule_for(
+            cause=self.cause, exit_code=self.exit_code, worker_exit_code=self.worker_exit_code, tail=self.tail
+        )
+
+    @property
+    def retryable(self) -> bool:
+        return self.rule.retry
 
     def __str__(self) -> str:
         worker = f", worker exit code {self.worker_exit_code}" if self.worker_exit_code is not None else ""
@@ -144,21 +158,28 @@ def _supervise(spec, nodes, lines, tails, on_line) -> None:
         except queue.Empty:
             pass
         codes = [p.poll() for p in nodes]
-        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
+        if any(code not in (None, 0) for code in codes):
+            # A node that dies takes its peers' collectives down with it: give them a moment to end too,
+            # then report the root cause, not a peer's "Connection closed by peer" (retry.py).
+            grace = time.monotonic() + _PEERS_S
+            while time.monotonic() < grace and any(p.poll() is None for p in nodes):
+                time.sleep(0.1)
+            codes = [p.poll() for p in nodes]  # before this launcher stops the rest
             stop_process_trees([p for p in nodes if p.poll() is None])
             _drain(lines, tails, on_line)
-            node = failed[0]
-            raise LaunchFailed(
-                node, codes[node], _worker_exit_code(tails[node]), list(tails[node]), f"{spec.name} failed"
-            )
+            failures = [
+                LaunchFailed(i, code, _worker_exit_code(tails[i]), list(tails[i]), f"{spec.name} failed")
+                for i, code in enumerate(codes)
+                if code not in (None, 0)
+            ]
+            raise min(failures, key=lambda f: f.rule.cause == "collective")
         if all(code == 0 for code in codes) and open_streams == 0:
             return
         if time.monotonic() > deadline:
             stop_process_trees(nodes)
             _drain(lines, tails, on_line)
             raise LaunchFailed(
-                0, None, None, list(tails[0]), f"{spec.name} ran past its {spec.timeout_s} s timeout", retryable=False
+                0, None, None, list(tails[0]), f"{spec.name} ran past its {spec.timeout_s} s timeout", "timeout"
             )
 
 

@@ -60,7 +60,8 @@ def test_a_failing_pod_deletes_every_pod_and_names_itself(k8s_testbed, namespace
     with pytest.raises(LaunchFailed) as failure:
         run_k8s(spec, settings(namespace, k8s_testbed.kubeconfig), on_line)
     err = failure.value
-    assert err.retryable and err.exit_code not in (None, 0)
+    assert err.exit_code not in (None, 0)
+    assert (err.rule.cause, err.retryable) == ("error", False)  # exit 3, a code error: a retry fails the same way
     assert "fails-" in err.reason and "container exit code" in err.reason
     assert err.worker_exit_code == 3
     assert any("rank 1 failing on purpose" in line for line in err.tail)
@@ -93,7 +94,7 @@ def test_an_evicted_pod_fails_the_launch_with_the_reason(k8s_testbed, namespace)
     threading.Thread(target=evict_when_running, daemon=True).start()
     with pytest.raises(LaunchFailed, match="Evicted: The node was low on resource: memory") as failure:
         run_k8s(spec, settings(namespace, k8s_testbed.kubeconfig), on_line)
-    assert failure.value.node == 1 and failure.value.retryable
+    assert failure.value.node == 1 and (failure.value.rule.cause, failure.value.retryable) == ("evicted", True)
 
 
 def test_an_unschedulable_request_fails_after_the_pending_timeout_with_the_schedulers_reason(k8s_testbed, namespace):
@@ -105,7 +106,7 @@ def test_an_unschedulable_request_fails_after_the_pending_timeout_with_the_sched
         LaunchFailed, match=r"Pending after 5 s: Unschedulable: 0/2 nodes are available: 2 Insufficient nvidia.com/gpu"
     ) as failure:
         run_k8s(spec, settings(namespace, k8s_testbed.kubeconfig, pending_timeout_s=5), collect()[1])
-    assert not failure.value.retryable
+    assert (failure.value.rule.cause, failure.value.retryable) == ("unschedulable", False)
     assert time.monotonic() - started < 60
 
 

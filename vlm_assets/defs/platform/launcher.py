@@ -24,7 +24,7 @@ from pydantic import Field
 from vlm_assets.launch import LaunchFailed, LaunchSpec, run_local
 from vlm_assets.launch.k8s import PodSettings
 from vlm_assets.launch.lifeline import die_with_parent
-from vlm_assets.launch.spec import BAD_INPUT, BAD_INPUT_EXIT
+from vlm_assets.launch.spec import BAD_INPUT
 
 # The Dagster concurrency pool of every training step: its limit (dagster.yaml
 # ``concurrency.pools.default_limit``, or ``dagster instance concurrency set vlm_training N``) is how
@@ -54,14 +54,13 @@ def _without(category: type[Warning]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _as_step_failure() -> Iterator[None]:
-    """A ``LaunchFailed`` as a ``dg.Failure`` naming the node, its exit code and last lines; retryable
-    unless a retry would fail the same way (the time limit, a request no node can hold, input the
-    trainer refused: then its reason comes first)."""
+    """A ``LaunchFailed`` as a ``dg.Failure`` naming the node, its exit code, the retry rule's cause
+    and the last lines; Dagster's RetryPolicy retries it only where that rule says a retry can help
+    (``vlm_assets.launch.retry``). Input the trainer refused comes first, in its own words."""
     try:
         yield
     except LaunchFailed as err:
-        timed_out = not err.retryable and "timeout" in err.reason
-        bad_input = err.worker_exit_code == BAD_INPUT_EXIT
+        rule = err.rule
         refused = dict.fromkeys(
             line[line.index(BAD_INPUT) + len(BAD_INPUT) :] for line in err.tail if BAD_INPUT in line
         )
@@ -70,17 +69,20 @@ def _as_step_failure() -> Iterator[None]:
             # run field, outside the cache key) and the rerun resumes instead.
             description="".join(f"{line}\n" for line in refused)
             + str(err)
+            + f"\n({rule.cause}: {'retried' if rule.retry else 'not retried'}; {rule.seen_as})"
             + (
                 "\nRaise timeout_s and rerun: training resumes from the last committed checkpoint of the same key."
-                if timed_out
+                if rule.cause == "timeout"
                 else ""
             ),
-            allow_retries=err.retryable and not bad_input,
+            allow_retries=rule.retry,
             metadata={
                 "node": err.node,
                 "exit_code": err.exit_code if err.exit_code is not None else "none",
                 "worker_exit_code": err.worker_exit_code if err.worker_exit_code is not None else "n/a",
                 "reason": err.reason,
+                "cause": rule.cause,
+                "retried": rule.retry,
                 "last_lines": dg.MetadataValue.md("```\n" + "\n".join(err.tail[-20:]) + "\n```"),
             },
         ) from err
