@@ -62,7 +62,8 @@ _PATTERNS = (
     (
         "unreachable",
         re.compile(
-            r"EndpointConnectionError|ConnectTimeoutError|Max retries exceeded|ServiceUnavailable|SlowDown|"
+            r"EndpointConnectionError|ConnectTimeoutError|ConnectionClosedError|ReadTimeoutError|Max retries exceeded|"
+            r"ServiceUnavailable|SlowDown|"
             r"\(InternalError\)|status code 50[0-9]|50[234] Server Error"
         ),
     ),

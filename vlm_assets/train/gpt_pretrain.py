@@ -112,6 +112,8 @@ def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, report
     trainer.fit(
         module, datamodule=data, ckpt_path=str(resume[1]) if resume else None, weights_only=False
     )  # our own full checkpoint, its sha256 verified against the manifest
+    if resume and history.resumed_from_step is None:  # resumed at max_steps: Lightning starts no training
+        history.resumed_from_step = int(resume[0].rsplit("step-", 1)[1])
     tokens_per_s = history.tokens_per_s(trainer.global_step)
     if history.val and history.val[-1]["step"] == trainer.global_step:  # fit validated at its last step
         final_val = history.val[-1]["loss"]

@@ -1,0 +1,435 @@
+"""Faults at random, nothing lost: a bounded, seeded fault-injection soak of ``gpt_checkpoint``.
+
+    python bench/soak.py --runs 6 --seed 1                 # CI size: 24 steps, a checkpoint every 6
+    python bench/soak.py --runs 4 --seed 2 --demo          # the demo profile's GPT (40 steps, 256 tokens)
+
+One uninterrupted reference run, then ``--runs`` materializations of the same config, each into a
+fresh prefix of a real S3 server (moto, on loopback) behind a fault proxy, through the real launcher
+(2 torchrun nodes of 1 process) and Dagster's RetryPolicy. Each run gets 1 or 2 faults from a
+schedule drawn from ``--seed``, each fired once a checkpoint at or past a drawn step is committed:
+a SIGKILL of a training worker or of a torchrun agent, or the S3 server answering 500 or dropping the
+connection for the next 1-8 writes (a checkpoint's or the final commit's; boto3 retries 4 times on its
+own, so a longer outage reaches the retry rule). A reader polls the store all along.
+
+More faults than the RetryPolicy's 2 retries fail the run: the soak then runs the same key again, as
+a user or the schedule would, up to twice (a relaunch, counted as a retry).
+
+Invariants checked after every run (any violation: exit 1): it ended with exactly one
+materialization and one committed key; its val loss equals the reference's within 1e-5 (the
+README's resume tolerance); every kill resumed from the last checkpoint committed before it (lost
+work < one checkpoint interval); no training process, lease, scratch directory or RUNNING MLflow run
+is left; the reader never saw a committed key whose files disagree with its manifest.
+Prints one row per run and writes ``soak.json`` into ``--out``.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import http.client
+import http.server
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+MODULE = "vlm_assets.train.gpt_pretrain"
+KINDS = ("worker", "agent", "s3-500", "s3-drop")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FaultProxy:
+    """An HTTP proxy in front of the S3 server that fails the next N writes (not lease records) on
+    demand: a 500 with S3's InternalError body, or a connection closed without an answer."""
+
+    def __init__(self, upstream_port: int):
+        self.lock = threading.Lock()
+        self.mode, self.left, self.injected = None, 0, 0
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command in ("PUT", "POST") and "/.leases/" not in self.path and proxy.take():
+                    if proxy.mode == "s3-drop":
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
+                    error = b"<Error><Code>InternalError</Code><Message>injected by bench/soak.py</Message></Error>"
+                    self.send_response(500)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
+                upstream = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=120)
+                upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
+                response = upstream.getresponse()
+                payload = response.read()
+                self.send_response(response.status, response.reason)
+                for name, value in response.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(payload)
+                upstream.close()
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def arm(self, mode: str, count: int) -> None:
+        with self.lock:
+            self.mode, self.left = mode, count
+
+    def take(self) -> bool:
+        with self.lock:
+            if self.left <= 0:
+                return False
+            self.left -= 1
+            self.injected += 1
+            return True
+
+
+@dataclasses.dataclass
+class Fault:
+    kind: str
+    after_step: int  # fired once a checkpoint at or past this step is committed
+    size: int = 0  # S3 faults: how many writes fail
+    fired_at: int | None = None  # the last committed checkpoint step when it fired
+    note: str = ""
+
+
+def draw_schedule(rng: random.Random, steps: list[int]) -> list[Fault]:
+    """1 or 2 faults at increasing checkpoint steps; an S3 fault may wait for the last one (the final
+    commit's writes come after it)."""
+    count = rng.choice((1, 2))
+    faults = []
+    for i, step in enumerate(sorted(rng.sample(steps[:-1], count))):
+        kind = rng.choice(KINDS)
+        if kind.startswith("s3") and i == count - 1 and rng.random() < 0.5:
+            step = steps[-1]
+        faults.append(Fault(kind, step, rng.randint(1, 8) if kind.startswith("s3") else 0))
+    return faults
+
+
+def processes(marker: str) -> dict[str, list[int]]:
+    """Live torchrun agents and training workers of ``MODULE`` whose command line has ``marker``."""
+    found: dict[str, list[int]] = {"agent": [], "worker": []}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = b" ".join(cmdline.read_bytes().split(b"\0")).decode(errors="replace")
+        except OSError:
+            continue
+        if MODULE in text and marker in text:
+            found["agent" if "torch.distributed.run" in text else "worker"].append(int(cmdline.parent.name))
+    return found
+
+
+class Soak:
+    def __init__(self, args):
+        self.args = args
+        self.root = Path(args.out)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.moto_port = free_port()
+        self.moto = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.moto_port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        os.environ.update(AWS_ACCESS_KEY_ID="soak", AWS_SECRET_ACCESS_KEY="soak", AWS_DEFAULT_REGION="us-east-1")
+        deadline = time.monotonic() + 180
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.moto_port), timeout=1):
+                break
+            if self.moto.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the S3 server (moto) did not start")
+            time.sleep(0.2)
+        self.proxy = FaultProxy(self.moto_port)
+        # The token shards are streamed by MosaicML streaming, which finds S3 from the environment.
+        proxied = f"http://127.0.0.1:{self.proxy.port}"
+        os.environ.update(AWS_ENDPOINT_URL=proxied, S3_ENDPOINT_URL=proxied)
+        self.direct = self.client(self.moto_port)
+        self.direct.create_bucket(Bucket="soak")
+        self.violations: list[str] = []
+
+    @staticmethod
+    def client(port: int):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
+
+    def close(self):
+        self.proxy.server.shutdown()
+        self.moto.terminate()
+        self.moto.wait(timeout=10)
+
+    def run_config(self) -> dict:
+        from vlm_assets.paths import offline_data_dir
+
+        data = offline_data_dir()
+        tokens = {
+            "source": "text_files",
+            "text_glob": str(data / "shakespeare" / "*.txt"),
+            "tokenizer": str(data / "gpt2-tokenizer"),
+            "max_length": 256 if self.args.demo else 64,
+            "max_val_samples": 64,
+        }
+        gpt = {"preset": "tiny", "strategy": "ddp", "num_nodes": 2, "nproc_per_node": 1, "lr": 3e-3}
+        gpt.update({"warmup_steps": 5, "val_batches": 4, "keep_last": 2, "seed": 0})
+        if self.args.demo:
+            gpt.update(micro_batch_size=4, global_batch_size=8, max_steps=40, val_check_interval=20)
+            gpt.update(checkpoint_every=10, log_every=10)
+        else:
+            gpt.update(micro_batch_size=2, global_batch_size=8, max_steps=24, val_check_interval=12)
+            gpt.update(checkpoint_every=6, log_every=6)
+        return {"ops": {"token_shards": {"config": tokens}, "gpt_checkpoint": {"config": gpt}}}
+
+    def materialize(self, name: str, faults: list[Fault]) -> dict:
+        import dagster as dg
+        from mlflow import MlflowClient
+
+        from vlm_assets.defs.data.token_assets import token_shards
+        from vlm_assets.defs.models.gpt_assets import gpt_checkpoint
+        from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
+        from vlm_assets.defs.platform.storage import S3ArtifactStoreResource
+        from vlm_assets.defs.platform.tracking import MlflowTrackingResource
+
+        home = self.root / name
+        prefix = f"{name}-{os.getpid()}"
+        mlflow_uri = f"sqlite:///{self.root / 'mlflow.db'}"
+        store = S3ArtifactStoreResource(
+            bucket="soak",
+            prefix=prefix,
+            cache_dir=str(home / "s3-cache"),
+            endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+            lease_ttl_s=30,
+        )
+        reader = S3ArtifactStoreResource(
+            bucket="soak",
+            prefix=prefix,
+            cache_dir=str(home / "reader"),
+            endpoint_url=f"http://127.0.0.1:{self.moto_port}",
+        ).get_store()
+        resources = {
+            "artifact_store": store,
+            "mlflow": MlflowTrackingResource(tracking_uri=mlflow_uri, artifact_location=(home / "mlruns").as_uri()),
+            "launcher": LocalTorchrunLauncher(),
+        }
+        steps = []
+        config = self.run_config()["ops"]["gpt_checkpoint"]["config"]
+        every, last = config["checkpoint_every"], config["max_steps"]
+        stop = threading.Event()
+        torn: list[str] = []
+        checked: set[str] = set()
+
+        def checkpoint_keys() -> list[str]:
+            keys, base = [], f"{prefix}/checkpoints/gpt_checkpoint/"
+            for page in self.direct.get_paginator("list_objects_v2").paginate(Bucket="soak", Prefix=base):
+                for obj in page.get("Contents", []):
+                    parts = obj["Key"][len(prefix) + 1 :].split("/")
+                    if parts[-1] == "_COMPLETE.json" and parts[-2].startswith("step-"):
+                        keys.append("/".join(parts[:-1]))
+            return keys
+
+        def watch():  # the reader and the fault schedule
+            pending = list(faults)
+            while not stop.is_set():
+                with contextlib.suppress(Exception):  # a key deleted by keep_last between list and read
+                    for prefix_ in ("gpt_checkpoint", "token_shards"):
+                        for key in reader.list_complete(prefix_):
+                            if key not in checked and (problems := reader.quick_verify(key)):
+                                torn.append(f"{key}: {problems}")
+                            checked.add(key)
+                    keys = checkpoint_keys()
+                    for key in keys:
+                        if problems := reader.quick_verify(key):
+                            torn.append(f"{key}: {problems}")
+                    steps[:] = sorted(int(k.rsplit("-", 1)[1]) for k in keys)
+                if pending and steps and steps[-1] >= pending[0].after_step:
+                    fault = pending.pop(0)
+                    fault.fired_at = steps[-1]
+                    if fault.kind.startswith("s3"):
+                        self.proxy.arm(fault.kind, fault.size)
+                    else:
+                        pids = processes(str(home))[fault.kind]
+                        if pids:
+                            os.kill(random.Random(fault.after_step).choice(pids), signal.SIGKILL)
+                        else:
+                            fault.note = "no process left to kill"
+                stop.wait(0.2)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        started = time.monotonic()
+        os.environ["VLM_ASSETS_HOME"] = str(home)
+        watcher.start()
+        try:
+            # More faults than the RetryPolicy's 2 retries fail the run; the next run of the same key
+            # (a user's, a schedule's) must then resume: the soak relaunches it, up to twice.
+            retries, relaunches, run_ids, count = 0, 0, [], 0
+            while True:
+                with dg.instance_for_test() as instance:
+                    result = dg.materialize(
+                        [token_shards, gpt_checkpoint],
+                        resources=resources,
+                        run_config=self.run_config(),
+                        instance=instance,
+                        raise_on_error=False,
+                    )
+                retries += len([e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"])
+                materializations = result.asset_materializations_for_node("gpt_checkpoint")
+                run_ids.append(result.run_id)
+                count += len(materializations)
+                if result.success or relaunches == 2:
+                    break
+                relaunches += 1
+                retries += 1  # the relaunch is a retry too
+        finally:
+            stop.set()
+            watcher.join()
+            self.proxy.arm(None, 0)
+        seconds = time.monotonic() - started
+        meta = {k: getattr(v, "value", v) for k, v in materializations[0].metadata.items()} if materializations else {}
+
+        problems = list(torn)
+        if not result.success or count != 1:
+            failure = next((e for e in result.all_events if e.event_type_value == "STEP_FAILURE"), None)
+            problems.append(f"run failed: {failure.step_failure_data.error.message[:400] if failure else '?'}")
+        keys = reader.list_complete("gpt_checkpoint")
+        if len(keys) != 1:
+            problems.append(f"{len(keys)} committed keys of gpt_checkpoint, expected 1")
+        for key in keys:
+            with contextlib.suppress(Exception):
+                reader.verify(key)  # every file re-hashed against the manifest
+                continue
+            problems.append(f"{key}: its files do not match its manifest")
+        left = processes(str(home))
+        if left["agent"] or left["worker"]:
+            problems.append(f"processes left: {left}")
+        if leases := reader.list_leases():
+            problems.append(f"leases left: {[lease.describe() for lease in leases]}")
+        scratch = [p for p in (home / "runs").glob("*")] if (home / "runs").is_dir() else []
+        if scratch:
+            problems.append(f"scratch left: {[p.name for p in scratch]}")
+        client = MlflowClient(mlflow_uri)
+        experiment = client.get_experiment_by_name("vlm_assets")
+        statuses = []
+        for run_id in run_ids if experiment else []:
+            found = client.search_runs([experiment.experiment_id], filter_string=f"tags.`dagster.run_id` = '{run_id}'")
+            statuses += [r.info.status for r in found]
+        if "RUNNING" in statuses:
+            problems.append(f"MLflow runs left RUNNING: {statuses}")
+        # Nothing committed before a fault is trained again: a retry resumes from the last checkpoint
+        # committed before the fault (lost work < one checkpoint interval).
+        fired = [f.fired_at for f in faults if f.fired_at is not None and not f.note]
+        if retries and fired and meta and meta.get("resumed_from_step", -1) < max(fired):
+            problems.append(
+                f"resumed from step {meta.get('resumed_from_step')}, but step {max(fired)} was committed "
+                "before the last fault"
+            )
+        kills = [f for f in faults if f.kind in ("worker", "agent") and f.fired_at is not None and not f.note]
+        if retries < len(kills):
+            problems.append(f"{len(kills)} kill(s) but {retries} retries")
+        return {
+            "name": name,
+            "faults": [dataclasses.asdict(f) for f in faults],
+            "retries": retries,
+            "relaunches": relaunches,
+            "resumed_from_step": meta.get("resumed_from_step"),
+            "val_loss": meta.get("val_loss"),
+            "key": keys[0] if keys else None,
+            "checkpoint_every": every,
+            "max_steps": last,
+            "seconds": round(seconds, 1),
+            "mlflow_statuses": sorted(statuses),
+            "problems": problems,
+        }
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| run | faults (kind@checkpoint step, xN: S3 writes failed) | retries (relaunches) | resumed from "
+        "| val loss | s | ok |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        faults = ", ".join(
+            f"{f['kind']}@{f['fired_at']}"
+            + (f" x{f['size']}" if f["size"] else "")
+            + (f" ({f['note']})" * bool(f["note"]))
+            for f in row["faults"]
+        )
+        loss = f"{row['val_loss']:.6f}" if row["val_loss"] is not None else "-"
+        ok = "yes" if not row["problems"] else "; ".join(row["problems"])[:300]
+        resumed = int(row["resumed_from_step"]) if row["resumed_from_step"] not in (None, -1) else "-"
+        lines.append(
+            f"| {row['name']} | {faults or '-'} | {row['retries']} ({row['relaunches']}) | {resumed} | {loss} "
+            f"| {row['seconds']} | {ok} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--demo", action="store_true", help="the demo profile's GPT size (slower)")
+    parser.add_argument("--max-minutes", type=float, default=30, help="start no run after this")
+    parser.add_argument("--out", default=None, help="folder for soak.json and the runs (default: a temp dir)")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    args.out = args.out or tempfile.mkdtemp(prefix="vlm-soak-")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLM_ASSETS_PROFILE", "seed")  # run config gives every value: no profile defaults
+    soak = Soak(args)
+    rng = random.Random(args.seed)
+    deadline = time.monotonic() + args.max_minutes * 60
+    rows = []
+    try:
+        reference = soak.materialize("reference", [])
+        rows.append(reference)
+        config = soak.run_config()["ops"]["gpt_checkpoint"]["config"]
+        steps = list(range(config["checkpoint_every"], config["max_steps"] + 1, config["checkpoint_every"]))
+        for i in range(args.runs):
+            if time.monotonic() > deadline:
+                print(f"--max-minutes {args.max_minutes} reached: {i} of {args.runs} runs done", file=sys.stderr)
+                break
+            row = soak.materialize(f"run{i}", draw_schedule(rng, steps))
+            both = reference["val_loss"] is not None and row["val_loss"] is not None
+            if both and abs(row["val_loss"] - reference["val_loss"]) > 1e-5:
+                row["problems"].append(f"val loss {row['val_loss']} != uninterrupted {reference['val_loss']}")
+            rows.append(row)
+    finally:
+        soak.close()
+    (Path(args.out) / "soak.json").write_text(json.dumps({"seed": args.seed, "runs": rows}, indent=1))
+    print(table(rows))
+    print(f"S3 writes failed by the proxy: {soak.proxy.injected}; report: {Path(args.out) / 'soak.json'}")
+    bad = [row for row in rows if row["problems"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
