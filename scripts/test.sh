@@ -9,7 +9,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # and the first tests. The k8s fixture waits on the same lock, then finds the binaries built.
 testbed_lock="${XDG_CACHE_HOME:-$HOME/.cache}/k8s-testbed/build.lock"
 mkdir -p "$(dirname "$testbed_lock")"
-(flock "$testbed_lock" "$repo/vlm_assets_tests/k8s/testbed/build.sh" > "${testbed_lock%.lock}.log" 2>&1 || true) &
+(flock "$testbed_lock" timeout 40m "$repo/vlm_assets_tests/k8s/testbed/build.sh" > "${testbed_lock%.lock}.log" 2>&1 || true) &
 source "$repo/scripts/bootstrap.sh"
 cd "$repo"
 # Lint, format and the layer contracts (pyproject.toml) first: a seconds-long failure, not an hour's.
