@@ -292,13 +292,24 @@ def test_bad_llava_and_hf_records_are_named(images, tmp_path):
             assert problem.startswith(start), (problem, start)
 
 
-def _inspect(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
+def _inspect(*args: str, env_cache: Path, in_process: bool = True) -> subprocess.CompletedProcess:
+    """``python -m vlm_assets.chat_data ARGS``: in a subprocess, as a user runs it, or (to spare the
+    suite the imports) by calling its ``main`` with the same arguments and capturing what it prints."""
+    import contextlib
+    import io
     import os
 
-    env = {**os.environ, "VLM_ASSETS_CACHE": str(env_cache)}
-    return subprocess.run(
-        [sys.executable, "-m", "vlm_assets.chat_data", *args], cwd=REPO, env=env, capture_output=True, text=True
-    )
+    if not in_process:
+        env = {**os.environ, "VLM_ASSETS_CACHE": str(env_cache)}
+        command = [sys.executable, "-m", "vlm_assets.chat_data", *args]
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    from vlm_assets.chat_data import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        mp.setenv("VLM_ASSETS_CACHE", str(env_cache))
+        code = main(list(args))
+    return subprocess.CompletedProcess(["vlm_assets.chat_data", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_the_inspector_prints_one_summary_per_file_and_exits_65_listing_every_bad_record(
@@ -322,14 +333,14 @@ def test_the_inspector_prints_one_summary_per_file_and_exits_65_listing_every_ba
         )
     )
     chat = write_jsonl(tmp_path / "chat.jsonl", openai([{"type": "image", "image": str(images[0])}], "cat"))
-    ok = _inspect(str(llava), str(chat), "--image-folder", str(images[0].parent), env_cache=cache)
+    ok = _inspect(str(llava), str(chat), "--image-folder", str(images[0].parent), env_cache=cache, in_process=False)
     assert ok.returncode == 0, ok.stderr
     first, second = (json.loads(line) for line in ok.stdout.splitlines())
     assert first["format"] == "llava" and first["records"] == 1 and first["images"] == 2
     assert first["max_images_per_record"] == 2 and first["longest_record_tokens"] > 2 * 49
     assert second["format"] == "openai" and second["tokens"] == second["longest_record_tokens"] > 49
     bad = write_jsonl(tmp_path / "bad.jsonl", *[r for r, _ in BAD_OPENAI])
-    failed = _inspect(str(chat), str(bad), env_cache=cache)
+    failed = _inspect(str(chat), str(bad), env_cache=cache, in_process=False)
     assert failed.returncode == 65
     assert [json.loads(line)["file"] for line in failed.stdout.splitlines()] == [str(chat)]
     named = [line for line in failed.stderr.splitlines() if line.startswith(f"{bad}:")]
