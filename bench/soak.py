@@ -172,7 +172,6 @@ class Soak:
         os.environ.update(AWS_ENDPOINT_URL=proxied, S3_ENDPOINT_URL=proxied)
         self.direct = self.client(self.moto_port)
         self.direct.create_bucket(Bucket="soak")
-        self.violations: list[str] = []
 
     @staticmethod
     def client(port: int):
@@ -329,8 +328,7 @@ class Soak:
             problems.append(f"processes left: {left}")
         if leases := reader.list_leases():
             problems.append(f"leases left: {[lease.describe() for lease in leases]}")
-        scratch = [p for p in (home / "runs").glob("*")] if (home / "runs").is_dir() else []
-        if scratch:
+        if scratch := sorted((home / "runs").glob("*")):
             problems.append(f"scratch left: {[p.name for p in scratch]}")
         client = MlflowClient(mlflow_uri)
         experiment = client.get_experiment_by_name("vlm_assets")
