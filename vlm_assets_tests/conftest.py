@@ -265,6 +265,14 @@ class IsolatedEnv:
             return result
 
 
+def checks_of(result, *assets: str) -> dict[str, bool]:
+    """Check name -> passed, for the checks of ``assets`` in a run's result (each asset's checks run
+    in its own step, so a run of a trainer also judges the data it was given)."""
+    return {
+        e.check_name: e.passed for e in result.get_asset_check_evaluations() if e.asset_key.to_user_string() in assets
+    }
+
+
 def training_workers(module: str, marker: str) -> list[int]:
     """PIDs of live training workers of ``module`` (not torchrun agents) whose command line has ``marker``."""
     pids = []

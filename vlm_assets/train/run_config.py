@@ -21,12 +21,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from vlm_assets.launch.spec import QUANTITY, LaunchSpec
 
 _RUN = {"identity": False}
+_SECTION = {"identity": False, "section": True}
 C = TypeVar("C", bound="RunConfig")
 
 
 def run_field(default: Any, description: str, **constraints: Any) -> Any:
     """A field that says how to run, not what is produced: outside the cache key, recorded in metadata."""
     return Field(default=default, description=description, json_schema_extra=_RUN, **constraints)
+
+
+def run_section(factory: Any, description: str) -> Any:
+    """A nested model of run fields that only the asset's own step reads (e.g. its checks' thresholds):
+    outside the cache key, and left out of the run file the trainer's processes read."""
+    return Field(default_factory=factory, description=description, json_schema_extra=_SECTION)
 
 
 def describe_validation_error(err: ValidationError, where: str) -> str:
@@ -45,7 +52,11 @@ class Settings(BaseModel):
 
     @classmethod
     def run_field_names(cls) -> set[str]:
-        return {name for name, field in cls.model_fields.items() if field.json_schema_extra == _RUN}
+        return {name for name, field in cls.model_fields.items() if field.json_schema_extra in (_RUN, _SECTION)}
+
+    @classmethod
+    def section_names(cls) -> set[str]:
+        return {name for name, field in cls.model_fields.items() if field.json_schema_extra == _SECTION}
 
     def identity(self) -> dict[str, Any]:
         """The fields that shape the artifact: what the cache key hashes."""
@@ -140,7 +151,13 @@ class RunPaths(BaseModel):
 def write_run_file(path: Path, config: RunConfig, paths: RunPaths) -> None:
     """The JSON every process of a launch reads: ``{"config": ..., "paths": ...}``."""
     path.write_text(
-        json.dumps({"config": config.model_dump(mode="json"), "paths": paths.model_dump(mode="json")}, indent=1)
+        json.dumps(
+            {
+                "config": config.model_dump(mode="json", exclude=config.section_names()),
+                "paths": paths.model_dump(mode="json"),
+            },
+            indent=1,
+        )
     )
 
 

@@ -13,27 +13,13 @@ import pytest
 import torch
 
 from vlm_assets.defs.data.occlusion_assets import occlusion_manifests
-from vlm_assets.defs.models.adapter_assets import adapter_training_complete, adapter_weights_finite, occlusion_adapter
-from vlm_assets.defs.models.eval_assets import (
-    adapter_accuracy_meets_threshold,
-    adapter_gain_significant,
-    eval_report,
-    registered_adapter,
-)
-from vlm_assets_tests.conftest import IsolatedEnv, kill_mid_training_and_relaunch, training_workers
+from vlm_assets.defs.models.adapter_assets import occlusion_adapter
+from vlm_assets.defs.models.eval_assets import eval_report, registered_adapter
+from vlm_assets_tests.conftest import IsolatedEnv, checks_of, kill_mid_training_and_relaunch, training_workers
 
 pytestmark = pytest.mark.slow
 
-GRAPH = [
-    occlusion_manifests,
-    occlusion_adapter,
-    adapter_training_complete,
-    adapter_weights_finite,
-    eval_report,
-    adapter_accuracy_meets_threshold,
-    adapter_gain_significant,
-    registered_adapter,
-]
+GRAPH = [occlusion_manifests, occlusion_adapter, eval_report, registered_adapter]  # checks: in the assets' steps
 # The demo's recipe (6 weight-tied steps, reconstruction first, then the LM loss) at test size.
 ADAPTER = {
     "backbone": "tiny-clean",
@@ -65,8 +51,15 @@ def run_config(offline_data, adapter=None, report=None, min_accuracy=0.3):
                 }
             },
             "occlusion_adapter": {"config": {**ADAPTER, **(adapter or {})}},
-            "eval_report": {"config": {"num_samples": 200, "batch_size": 50, "num_cards": 12, **(report or {})}},
-            "eval_report_adapter_accuracy_meets_threshold": {"config": {"min_accuracy": min_accuracy}},
+            "eval_report": {
+                "config": {
+                    "num_samples": 200,
+                    "batch_size": 50,
+                    "num_cards": 12,
+                    "checks": {"min_accuracy": min_accuracy},
+                    **(report or {}),
+                }
+            },
         }
     }
 
@@ -90,7 +83,7 @@ def pipeline(tmp_path_factory, offline_data):
 def test_adapter_helps_the_frozen_backbone_and_is_registered(pipeline):
     env, result = pipeline
     assert result.success
-    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    checks = checks_of(result, "occlusion_adapter", "eval_report")
     assert checks == {
         "adapter_training_complete": True,
         "adapter_weights_finite": True,

@@ -45,7 +45,9 @@ def test_definitions_snapshot():
         "val_loss_beats_uniform",
         "vqa_exact_match_meets_threshold",
     ]
-    assert all(spec.blocking for checks in definitions.asset_checks for spec in checks.check_specs)
+    # Every check is a blocking spec of its own asset's step: none runs in a step of its own.
+    specs = [spec for asset in definitions.assets for spec in asset.check_specs]
+    assert len(specs) == 16 and all(spec.blocking for spec in specs) and not definitions.asset_checks
     job = definitions.resolve_job_def("main_job")
     assert {n.name for n in job.nodes} >= {"occlusion_manifests", "token_shards", "gpt_checkpoint"}
     assert graph.get(dg.AssetKey("gpt_checkpoint")).parent_keys == {dg.AssetKey("token_shards")}
@@ -136,20 +138,21 @@ def test_ui_materialize_and_main_job_use_the_active_profile(name):
     assert ops["token_shards"]["source"] == ("text_files" if name == "demo" else "hf")
     assert ops["occlusion_manifests"]["source"] == ("fashion_mnist" if name == "demo" else "cifar10")
     assert ops["gpt_checkpoint"]["num_nodes"] == (2 if name == "demo" else 1)
-    assert ops["eval_report_adapter_accuracy_meets_threshold"]["min_accuracy"] == (0.3 if name == "demo" else 0.5)
+    assert ops["eval_report"]["checks"]["min_accuracy"] == (0.3 if name == "demo" else 0.5)
     classes = {
-        "occlusion_manifests": "OcclusionManifestsConfig",
-        "token_shards": "TokenShardsConfig",
-        "gpt_checkpoint": "GPTCheckpointConfig",
-        "occlusion_adapter": "OcclusionAdapterConfig",
-        "eval_report": "EvalReportConfig",
-        "eval_report_adapter_accuracy_meets_threshold": "AccuracyCheckConfig",
-        "visualchat_model": "VisualChatAssetConfig",
-        "visualchat_model_vqa_exact_match_meets_threshold": "VQACheckConfig",
+        ("occlusion_manifests",): "OcclusionManifestsConfig",
+        ("token_shards",): "TokenShardsConfig",
+        ("gpt_checkpoint",): "GPTCheckpointConfig",
+        ("occlusion_adapter",): "OcclusionAdapterConfig",
+        ("eval_report",): "EvalReportConfig",
+        ("eval_report", "checks"): "EvalChecksConfig",
+        ("visualchat_model",): "VisualChatAssetConfig",
+        ("visualchat_model", "checks"): "VQACheckConfig",
     }
-    for op, cls in classes.items():
+    for path, cls in classes.items():
+        section = ops[path[0]] if len(path) == 1 else ops[path[0]][path[1]]
         for field, value in profile_defaults(name).get(cls, {}).items():
-            assert ops[op][field] == value, (op, field)
+            assert section[field] == value, (path, field)
 
 
 def test_a_profile_value_a_field_rejects_fails_the_load_naming_it():

@@ -15,27 +15,14 @@ import pandas as pd
 import pytest
 
 from vlm_assets.defs.data.occlusion_assets import occlusion_manifests
-from vlm_assets.defs.models.visualchat_assets import (
-    eval_loss_beats_untrained,
-    merged_equals_unmerged,
-    registered_visualchat,
-    visualchat_model,
-    vqa_exact_match_meets_threshold,
-)
+from vlm_assets.defs.models.visualchat_assets import registered_visualchat, visualchat_model
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
-from vlm_assets_tests.conftest import IsolatedEnv
+from vlm_assets_tests.conftest import IsolatedEnv, checks_of
 from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
 
 pytestmark = pytest.mark.slow
 
-GRAPH = [
-    occlusion_manifests,
-    visualchat_model,
-    eval_loss_beats_untrained,
-    vqa_exact_match_meets_threshold,
-    merged_equals_unmerged,
-    registered_visualchat,
-]
+GRAPH = [occlusion_manifests, visualchat_model, registered_visualchat]  # checks: in the assets' steps
 
 
 def run_config(offline_data: Path, models: Path, visualchat=None, min_exact_match=0.0) -> dict:
@@ -67,10 +54,10 @@ def run_config(offline_data: Path, models: Path, visualchat=None, min_exact_matc
                     "checkpoint_every": 2,
                     "log_every": 2,
                     "timeout_s": 600,
+                    "checks": {"min_exact_match": min_exact_match},
                     **(visualchat or {}),
                 }
             },
-            "visualchat_model_vqa_exact_match_meets_threshold": {"config": {"min_exact_match": min_exact_match}},
         }
     }
 
@@ -99,7 +86,7 @@ def test_trains_merges_evaluates_and_registers(pipeline):
 
     env, result = pipeline
     assert result.success
-    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    checks = checks_of(result, "visualchat_model")
     assert checks == {
         "eval_loss_beats_untrained": True,
         "vqa_exact_match_meets_threshold": True,

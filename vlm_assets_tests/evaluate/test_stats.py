@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from vlm_assets.defs.models.eval_assets import (
-    AccuracyCheckConfig,
-    GainCheckConfig,
+    EvalChecksConfig,
     adapter_accuracy_meets_threshold,
     adapter_gain_significant,
 )
+from vlm_assets.defs.platform.checks import Judged
 from vlm_assets.evaluate.occlusion_eval import EvalResult
 from vlm_assets.evaluate.stats import mcnemar_exact_p, paired_gain, wilson_interval
 from vlm_assets.storage import ArtifactRef
@@ -81,36 +81,36 @@ def _report(adapter_right: int, identity_right: int, both: int, n: int = 400) ->
 
 
 def _judge(check, config, ref) -> dg.AssetCheckResult:
-    return check(config, ref)
+    return check(Judged(ref, config))
 
 
 def test_gain_gate_refuses_a_useless_adapter_and_promotes_a_good_one():
     useless = _report(adapter_right=232, identity_right=234, both=220)  # -0.5 points
     noisy = _report(adapter_right=240, identity_right=234, both=220)  # +1.5 points, inside the noise
     good = _report(adapter_right=270, identity_right=234, both=225)  # +9 points
-    assert not _judge(adapter_gain_significant, GainCheckConfig(), useless).passed
-    assert not _judge(adapter_gain_significant, GainCheckConfig(), noisy).passed
-    verdict = _judge(adapter_gain_significant, GainCheckConfig(), good)
+    assert not _judge(adapter_gain_significant, EvalChecksConfig(), useless).passed
+    assert not _judge(adapter_gain_significant, EvalChecksConfig(), noisy).passed
+    verdict = _judge(adapter_gain_significant, EvalChecksConfig(), good)
     assert verdict.passed and "95% CI [+" in verdict.description
     assert verdict.metadata["adapter_gain_ci95_low"].value > 0 and verdict.metadata["num_samples"].value == 400
     # A stricter gate: the same adapter is refused when its interval does not clear min_gain.
-    assert not _judge(adapter_gain_significant, GainCheckConfig(min_gain=0.1), good).passed
+    assert not _judge(adapter_gain_significant, EvalChecksConfig(min_gain=0.1), good).passed
 
 
 def test_accuracy_gate_judges_the_wilson_lower_bound():
     ref = _report(adapter_right=130, identity_right=120, both=110)  # 32.5 % on 400: lower bound 28.1 %
-    verdict = _judge(adapter_accuracy_meets_threshold, AccuracyCheckConfig(min_accuracy=0.28), ref)
+    verdict = _judge(adapter_accuracy_meets_threshold, EvalChecksConfig(min_accuracy=0.28), ref)
     assert verdict.passed and verdict.metadata["chance"].value == 0.5 and "(chance 50%)" in verdict.description
-    assert not _judge(adapter_accuracy_meets_threshold, AccuracyCheckConfig(min_accuracy=0.30), ref).passed
+    assert not _judge(adapter_accuracy_meets_threshold, EvalChecksConfig(min_accuracy=0.30), ref).passed
 
 
 def test_a_small_evaluation_is_said_in_the_check():
     ref = _report(adapter_right=40, identity_right=10, both=10, n=50)
-    verdict = _judge(adapter_gain_significant, GainCheckConfig(), ref)
+    verdict = _judge(adapter_gain_significant, EvalChecksConfig(), ref)
     assert verdict.metadata["too_few_samples"].value is True and "only 50 images" in verdict.description
 
 
-@pytest.mark.parametrize("config, field", [(GainCheckConfig, "min_gain"), (AccuracyCheckConfig, "min_accuracy")])
-def test_a_threshold_out_of_range_is_refused_naming_the_field(config, field):
+@pytest.mark.parametrize("field", ["min_gain", "min_accuracy"])
+def test_a_threshold_out_of_range_is_refused_naming_the_field(field):
     with pytest.raises(Exception, match=field):
-        config(**{field: 1.5})
+        EvalChecksConfig(**{field: 1.5})

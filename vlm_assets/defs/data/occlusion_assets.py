@@ -1,6 +1,7 @@
 """``occlusion_manifests``: images with one seeded black rectangle each, and its data-quality checks."""
 
 import base64
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal, Self
 
@@ -21,13 +22,26 @@ from vlm_assets.data.image_sources import (
 )
 from vlm_assets.data.occlusion import BoxBounds, write_occlusion_manifests
 from vlm_assets.data.preview import occlusion_preview
-from vlm_assets.defs.platform.checks import artifact_scan, check_result
+from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_result, check_specs
 from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.paths import cache_dir
 from vlm_assets.storage import ArtifactRef
+from vlm_assets.train.run_config import run_section
+
+
+class BalanceCheckConfig(ProfileDefaults, dg.Config):
+    balance_tolerance: float = Field(
+        default=0.1,
+        ge=0,
+        lt=1,
+        description=(
+            "Each class's share may deviate this much (relative) from 1/num_classes where a balanced subset "
+            "was asked for (num_train / num_validation set)."
+        ),
+    )
 
 
 class OcclusionManifestsConfig(AssetConfig):
@@ -64,6 +78,7 @@ class OcclusionManifestsConfig(AssetConfig):
         lt=1,
         description=("image_folder with only train/: the seeded share of each class held out as the validation split."),
     )
+    checks: BalanceCheckConfig = run_section(BalanceCheckConfig, CHECKS_SECTION)
 
     def box_bounds(self) -> dict[str, BoxBounds]:
         return {
@@ -83,18 +98,6 @@ class OcclusionManifestsConfig(AssetConfig):
         if self.resize_to is not None and self.source != "image_folder":
             raise ValueError("resize_to applies only to source 'image_folder'")
         return self
-
-
-class BalanceCheckConfig(ProfileDefaults, dg.Config):
-    balance_tolerance: float = Field(
-        default=0.1,
-        ge=0,
-        lt=1,
-        description=(
-            "Each class's share may deviate this much (relative) from 1/num_classes where a balanced subset "
-            "was asked for (num_train / num_validation set)."
-        ),
-    )
 
 
 def load_source(config: OcclusionManifestsConfig, log) -> ImageSource:
@@ -118,15 +121,62 @@ def load_source(config: OcclusionManifestsConfig, log) -> ImageSource:
     )
 
 
+def _scan(judged: Judged) -> tuple[dict, str]:
+    bounds = _config(judged.ref).box_bounds()
+    return judged.scan(lambda root: occlusion_checks.scan(root, bounds))
+
+
+def _config(ref: ArtifactRef) -> "OcclusionManifestsConfig":
+    return OcclusionManifestsConfig(**ref.metadata["config"])
+
+
+def boxes_within_configured_bounds(judged: Judged) -> dg.AssetCheckResult:
+    """Every box's width and height fractions lie within the configured bounds of its split."""
+    scanned, source = _scan(judged)
+    return check_result(occlusion_checks.boxes_within_bounds(scanned), source)
+
+
+def every_class_present_and_balanced(judged: Judged) -> dg.AssetCheckResult:
+    """Each split holds every class. Where a balanced subset was asked for (``num_train`` /
+    ``num_validation`` set), each class is within ``checks.balance_tolerance``; otherwise the source's
+    own class histogram is reported and an imbalance is only a warning (nothing balanced was promised)."""
+    asked = _config(judged.ref)
+    balanced = {"train": asked.num_train is not None, "validation": asked.num_validation is not None}
+    scanned, source = _scan(judged)
+    return check_result(occlusion_checks.classes_balanced(scanned, judged.settings.balance_tolerance, balanced), source)
+
+
+def counts_match_config(judged: Judged) -> dg.AssetCheckResult:
+    """Row counts equal num_train / num_validation (when set) and the artifact's own summary."""
+    config = _config(judged.ref)
+    scanned, source = _scan(judged)
+    return check_result(
+        occlusion_checks.counts_match(scanned, {"train": config.num_train, "validation": config.num_validation}), source
+    )
+
+
+def every_image_readable(judged: Judged) -> dg.AssetCheckResult:
+    """Every image a manifest row references exists, decodes, and has the size the row states."""
+    scanned, source = _scan(judged)
+    return check_result(occlusion_checks.images_readable(scanned), source)
+
+
+CHECKS = (boxes_within_configured_bounds, every_class_present_and_balanced, counts_match_config, every_image_readable)
+
+
 @dg.asset(
-    code_version="2", kinds={"python", "numpy"}, group_name="data", retry_policy=dg.RetryPolicy(max_retries=2, delay=5)
+    code_version="2",
+    kinds={"python", "numpy"},
+    group_name="data",
+    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+    check_specs=check_specs("occlusion_manifests", CHECKS),
 )
 def occlusion_manifests(
     context: dg.AssetExecutionContext,
     config: OcclusionManifestsConfig,
     artifact_store: ArtifactStoreResource,
     mlflow: MlflowTrackingResource,
-) -> dg.Output[ArtifactRef]:
+) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
     """Images of a 10-class source, each with one seeded random black rectangle (train 22-42 %,
     validation 28-45 % of each side by default), as ``train.jsonl`` / ``validation.jsonl`` manifests
     (image ref, label, prompt, box in pixels) plus the clean images packed at source resolution.
@@ -162,54 +212,4 @@ def occlusion_manifests(
             },
         )
 
-    return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build)
-
-
-def _scan(ref: ArtifactRef, artifact_store: ArtifactStoreResource) -> tuple[dict, str]:
-    bounds = _config(ref).box_bounds()
-    return artifact_scan(ref, artifact_store.get_store(), lambda root: occlusion_checks.scan(root, bounds))
-
-
-def _config(ref: ArtifactRef) -> OcclusionManifestsConfig:
-    return OcclusionManifestsConfig(**ref.metadata["config"])
-
-
-@dg.asset_check(asset=occlusion_manifests, blocking=True)
-def boxes_within_configured_bounds(
-    occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource
-) -> dg.AssetCheckResult:
-    """Every box's width and height fractions lie within the configured bounds of its split."""
-    scanned, source = _scan(occlusion_manifests, artifact_store)
-    return check_result(occlusion_checks.boxes_within_bounds(scanned), source)
-
-
-@dg.asset_check(asset=occlusion_manifests, blocking=True)
-def every_class_present_and_balanced(
-    config: BalanceCheckConfig, occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource
-) -> dg.AssetCheckResult:
-    """Each split holds every class. Where a balanced subset was asked for (``num_train`` /
-    ``num_validation`` set), each class is within ``balance_tolerance``; otherwise the source's own
-    class histogram is reported and an imbalance is only a warning (nothing balanced was promised)."""
-    asked = _config(occlusion_manifests)
-    balanced = {"train": asked.num_train is not None, "validation": asked.num_validation is not None}
-    scanned, source = _scan(occlusion_manifests, artifact_store)
-    return check_result(occlusion_checks.classes_balanced(scanned, config.balance_tolerance, balanced), source)
-
-
-@dg.asset_check(asset=occlusion_manifests, blocking=True)
-def counts_match_config(occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
-    """Row counts equal num_train / num_validation (when set) and the artifact's own summary."""
-    config = _config(occlusion_manifests)
-    scanned, source = _scan(occlusion_manifests, artifact_store)
-    return check_result(
-        occlusion_checks.counts_match(scanned, {"train": config.num_train, "validation": config.num_validation}), source
-    )
-
-
-@dg.asset_check(asset=occlusion_manifests, blocking=True)
-def every_image_readable(
-    occlusion_manifests: ArtifactRef, artifact_store: ArtifactStoreResource
-) -> dg.AssetCheckResult:
-    """Every image a manifest row references exists, decodes, and has the size the row states."""
-    scanned, source = _scan(occlusion_manifests, artifact_store)
-    return check_result(occlusion_checks.images_readable(scanned), source)
+    yield from materialize_memoized(context, artifact_store, mlflow, config, build, checks=CHECKS)

@@ -1,12 +1,13 @@
 """``token_shards``: a GPT-2-tokenized corpus packed into fixed-length blocks as MDS shards, and its checks."""
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal, Self
 
 import dagster as dg
 from pydantic import Field, model_validator
 
-from vlm_assets.defs.platform.checks import artifact_scan, check_result
+from vlm_assets.defs.platform.checks import Judged, check_result, check_specs
 from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
@@ -44,18 +45,46 @@ class TokenShardsConfig(AssetConfig):
         return self
 
 
+def token_ids_within_vocab(judged: Judged) -> dg.AssetCheckResult:
+    """Every token id of every sample is in [0, vocab_size)."""
+    from vlm_assets.data import token_checks
+
+    scanned, source = judged.scan(token_checks.scan)
+    return check_result(token_checks.ids_within_vocab(scanned), source)
+
+
+def token_counts_match_summary(judged: Judged) -> dg.AssetCheckResult:
+    """Sample and token counts (and block lengths) in the shards equal what tokens.json reports."""
+    from vlm_assets.data import token_checks
+
+    scanned, source = judged.scan(token_checks.scan)
+    return check_result(token_checks.counts_match(scanned), source)
+
+
+def every_shard_readable(judged: Judged) -> dg.AssetCheckResult:
+    """Every MDS shard of both splits opens and every sample decodes."""
+    from vlm_assets.data import token_checks
+
+    scanned, source = judged.scan(token_checks.scan)
+    return check_result(token_checks.shards_readable(scanned), source)
+
+
+CHECKS = (token_ids_within_vocab, token_counts_match_summary, every_shard_readable)
+
+
 @dg.asset(
     code_version="1",
     kinds={"python", "mosaicml"},
     group_name="data",
     retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+    check_specs=check_specs("token_shards", CHECKS),
 )
 def token_shards(
     context: dg.AssetExecutionContext,
     config: TokenShardsConfig,
     artifact_store: ArtifactStoreResource,
     mlflow: MlflowTrackingResource,
-) -> dg.Output[ArtifactRef]:
+) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
     """A text corpus tokenized with GPT-2 BPE, documents joined with EOS into blocks of ``max_length``
     tokens (no padding), written as MosaicML MDS shards (``train/``, ``val/``; columns ``input_ids`` and
     ``labels`` as int32) plus the tokenizer. Stream it back with
@@ -98,37 +127,4 @@ def token_shards(
             metadata={"vocab_size": summary["vocab_size"], "max_length": summary["max_length"]},
         )
 
-    return materialize_memoized(context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build)
-
-
-def _scan(ref: ArtifactRef, artifact_store: ArtifactStoreResource) -> tuple[dict, str]:
-    from vlm_assets.data import token_checks
-
-    return artifact_scan(ref, artifact_store.get_store(), token_checks.scan)
-
-
-@dg.asset_check(asset=token_shards, blocking=True)
-def token_ids_within_vocab(token_shards: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
-    """Every token id of every sample is in [0, vocab_size)."""
-    from vlm_assets.data import token_checks
-
-    scanned, source = _scan(token_shards, artifact_store)
-    return check_result(token_checks.ids_within_vocab(scanned), source)
-
-
-@dg.asset_check(asset=token_shards, blocking=True)
-def token_counts_match_summary(token_shards: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
-    """Sample and token counts (and block lengths) in the shards equal what tokens.json reports."""
-    from vlm_assets.data import token_checks
-
-    scanned, source = _scan(token_shards, artifact_store)
-    return check_result(token_checks.counts_match(scanned), source)
-
-
-@dg.asset_check(asset=token_shards, blocking=True)
-def every_shard_readable(token_shards: ArtifactRef, artifact_store: ArtifactStoreResource) -> dg.AssetCheckResult:
-    """Every MDS shard of both splits opens and every sample decodes."""
-    from vlm_assets.data import token_checks
-
-    scanned, source = _scan(token_shards, artifact_store)
-    return check_result(token_checks.shards_readable(scanned), source)
+    yield from materialize_memoized(context, artifact_store, mlflow, config, build, checks=CHECKS)

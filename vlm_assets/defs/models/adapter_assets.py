@@ -3,11 +3,12 @@ frozen VLM, prove it helps, and register it in the MLflow Model Registry only wh
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 
-from vlm_assets.defs.platform.checks import artifact_scan
+from vlm_assets.defs.platform.checks import Judged, check_specs
 from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher, launch_trainer, numbers
 from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized, upstream_ref
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
@@ -68,6 +69,46 @@ def resolve_backbone(
     return str(store.local_path(key) / "model")
 
 
+def adapter_training_complete(judged: Judged) -> dg.AssetCheckResult:
+    """Training finished every epoch: a partial adapter (materialized from the last recovery checkpoint
+    after training failed for good) fails here, so eval and registration never use it."""
+    partial = bool(judged.ref.metadata["metadata"].get("partial"))
+    epochs = judged.ref.metadata["metrics"].get("epochs")
+    return dg.AssetCheckResult(
+        passed=not partial,
+        metadata={"partial": partial, "epochs": epochs},
+        description="partial: training failed for good" if partial else "complete",
+    )
+
+
+def weights_scan(root: Path) -> dict:
+    """Which adapter weights hold non-finite values, the gate and the parameter count (at build time)."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(root / "adapter.safetensors"))
+    return {
+        "non_finite": [name for name, t in weights.items() if not torch.isfinite(t).all()],
+        "gate": float(weights["gate"]),
+        "num_parameters": sum(t.numel() for t in weights.values()),
+    }
+
+
+def adapter_weights_finite(judged: Judged) -> dg.AssetCheckResult:
+    """The gate and every adapter weight are finite (read when built; on a hit, judged from that
+    record after a size check: ``defs/platform/checks.py``)."""
+    scanned, source = judged.scan(weights_scan)
+    bad = scanned["non_finite"]
+    return dg.AssetCheckResult(
+        passed=not bad,
+        description=f"non-finite: {bad}" if bad else "all finite",
+        metadata={"gate": scanned["gate"], "num_parameters": scanned["num_parameters"], "scan": source},
+    )
+
+
+CHECKS = (adapter_training_complete, adapter_weights_finite)
+
+
 # `visualchat_model` is read only when the config says `backbone: visualchat`: a `deps` edge, so an
 # adapter on another backbone neither waits for VisualChat nor rebuilds when it changes.
 @dg.asset(
@@ -77,6 +118,7 @@ def resolve_backbone(
     pool=TRAINING_POOL,
     retry_policy=dg.RetryPolicy(max_retries=2, delay=2),
     deps=["visualchat_model"],
+    check_specs=check_specs("occlusion_adapter", CHECKS),
 )
 def occlusion_adapter(
     context: dg.AssetExecutionContext,
@@ -85,7 +127,7 @@ def occlusion_adapter(
     artifact_store: ArtifactStoreResource,
     mlflow: MlflowTrackingResource,
     launcher: TrainingLauncher,
-) -> dg.Output[ArtifactRef]:
+) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
     """A 10,532-parameter residual Conv2d adapter trained in front of a frozen VLM (a Qwen2.5-VL, or the
     graph's merged VisualChat model) so it answers correctly on occluded images: LM loss on the answer
     tokens + 0.35 x masked L1 to the clean image. Contains ``adapter.safetensors``, ``backbone.json``
@@ -153,9 +195,7 @@ def occlusion_adapter(
             metrics=numbers(values), metadata={"backbone": backbone, "partial": partial}, scan=weights_scan(staging)
         )
 
-    return materialize_memoized(
-        context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream
-    )
+    yield from materialize_memoized(context, artifact_store, mlflow, config, build, upstream, checks=CHECKS)
 
 
 def partial_from_checkpoint(store: ArtifactStore, prefix: str, staging: Path) -> dict:
@@ -179,44 +219,3 @@ def partial_from_checkpoint(store: ArtifactStore, prefix: str, staging: Path) ->
         "resumed_from_epoch": -1,
         **{k.replace("/", "_"): v for k, v in epochs[-1].items() if isinstance(v, float)},
     }
-
-
-@dg.asset_check(asset=occlusion_adapter, blocking=True)
-def adapter_training_complete(occlusion_adapter: ArtifactRef) -> dg.AssetCheckResult:
-    """Training finished every epoch: a partial adapter (materialized from the last recovery checkpoint
-    after training failed for good) fails here, so eval and registration never use it."""
-    partial = bool(occlusion_adapter.metadata["metadata"].get("partial"))
-    epochs = occlusion_adapter.metadata["metrics"].get("epochs")
-    return dg.AssetCheckResult(
-        passed=not partial,
-        metadata={"partial": partial, "epochs": epochs},
-        description="partial: training failed for good" if partial else "complete",
-    )
-
-
-def weights_scan(root: Path) -> dict:
-    """Which adapter weights hold non-finite values, the gate and the parameter count (at build time)."""
-    import torch
-    from safetensors.torch import load_file
-
-    weights = load_file(str(root / "adapter.safetensors"))
-    return {
-        "non_finite": [name for name, t in weights.items() if not torch.isfinite(t).all()],
-        "gate": float(weights["gate"]),
-        "num_parameters": sum(t.numel() for t in weights.values()),
-    }
-
-
-@dg.asset_check(asset=occlusion_adapter, blocking=True)
-def adapter_weights_finite(
-    occlusion_adapter: ArtifactRef, artifact_store: ArtifactStoreResource
-) -> dg.AssetCheckResult:
-    """The gate and every adapter weight are finite (read when built; on a hit, judged from that
-    record after a size check: ``defs/platform/checks.py``)."""
-    scanned, source = artifact_scan(occlusion_adapter, artifact_store.get_store(), weights_scan)
-    bad = scanned["non_finite"]
-    return dg.AssetCheckResult(
-        passed=not bad,
-        description=f"non-finite: {bad}" if bad else "all finite",
-        metadata={"gate": scanned["gate"], "num_parameters": scanned["num_parameters"], "scan": source},
-    )

@@ -2,47 +2,45 @@
 (the MLflow Model Registry entry, whose ``champion`` alias moves only when the eval checks pass)."""
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
 
+from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_specs
 from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun, register_champion
 from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
 from vlm_assets.storage import ArtifactRef
+from vlm_assets.train.run_config import run_section
 
 
-class EvalReportConfig(AssetConfig):
-    num_samples: int | None = Field(default=None, ge=1, description="Validation images evaluated (unset = all).")
-    batch_size: int = Field(default=16, ge=1, description="Images per batched greedy decode.")
-    num_cards: int = Field(default=24, ge=0, description="Prediction cards in the HTML report.")
-
-
-class AccuracyCheckConfig(ProfileDefaults, dg.Config):
+class EvalChecksConfig(ProfileDefaults, dg.Config):
     min_accuracy: float = Field(
         default=0.5,
         ge=0,
         le=1,
-        description=(
-            "The 95 % Wilson lower bound of the exact-match accuracy with the adapter must reach this (a check "
-            "setting: changing it re-runs the check only)."
-        ),
+        description="The 95 % Wilson lower bound of the exact-match accuracy with the adapter must reach this.",
     )
-
-
-class GainCheckConfig(ProfileDefaults, dg.Config):
     min_gain: float = Field(
         default=0.0,
         ge=-1,
         le=1,
         description=(
             "The 95 % interval of the adapter's paired gain over the identity must lie above this (0: the "
-            "adapter significantly helps). A check setting: changing it re-runs the check only."
+            "adapter significantly helps)."
         ),
     )
+
+
+class EvalReportConfig(AssetConfig):
+    num_samples: int | None = Field(default=None, ge=1, description="Validation images evaluated (unset = all).")
+    batch_size: int = Field(default=16, ge=1, description="Images per batched greedy decode.")
+    num_cards: int = Field(default=24, ge=0, description="Prediction cards in the HTML report.")
+    checks: EvalChecksConfig = run_section(EvalChecksConfig, CHECKS_SECTION)
 
 
 def load_trained(store, adapter_ref: ArtifactRef):
@@ -55,7 +53,60 @@ def load_trained(store, adapter_ref: ArtifactRef):
     return backbone, adapter, info, root
 
 
-@dg.asset(code_version="1", kinds={"pytorch", "html"}, group_name="models")
+def adapter_accuracy_meets_threshold(judged: Judged) -> dg.AssetCheckResult:
+    """The 95 % Wilson lower bound of the exact-match accuracy with the adapter reaches
+    ``checks.min_accuracy``, beside chance (one over the classes)."""
+    metrics, config = judged.ref.metadata["metrics"], judged.settings
+    accuracy, low, bound = metrics["accuracy_adapter"], metrics["accuracy_adapter_ci95_low"], config.min_accuracy
+    n, chance = int(metrics["num_samples"]), metrics.get("chance")
+    return dg.AssetCheckResult(
+        passed=bool(low >= bound),
+        description=f"accuracy {accuracy:.1%} (95% CI lower bound {low:.1%}, n={n}) vs threshold {bound:.1%}"
+        + (f" (chance {chance:.0%})" if chance is not None else "")
+        + small_sample_note(n),
+        metadata={
+            "accuracy_adapter": accuracy,
+            "accuracy_adapter_ci95_low": low,
+            "min_accuracy": bound,
+            "num_samples": n,
+            "too_few_samples": n < MIN_PAIRS,
+            **({"chance": chance} if chance is not None else {}),
+        },
+    )
+
+
+def adapter_gain_significant(judged: Judged) -> dg.AssetCheckResult:
+    """The adapter helps, beyond the evaluation's own noise: the 95 % paired-bootstrap interval of its gain
+    over the identity (accuracy with minus without it, on the same occluded images) lies above
+    ``checks.min_gain``. Beside it: the exact McNemar p-value and the discordant pairs."""
+    metrics, config = judged.ref.metadata["metrics"], judged.settings
+    gain, low, high = metrics["adapter_gain"], metrics["adapter_gain_ci95_low"], metrics["adapter_gain_ci95_high"]
+    n = int(metrics["num_samples"])
+    return dg.AssetCheckResult(
+        passed=bool(low > config.min_gain),
+        description=f"adapter gain {gain:+.1%} (95% CI [{low:+.1%}, {high:+.1%}], "
+        f"McNemar p={metrics['adapter_gain_p_value']:.2g}, n={n}) vs min_gain {config.min_gain:+.1%}"
+        + small_sample_note(n),
+        metadata={
+            "adapter_gain": gain,
+            "adapter_gain_ci95_low": low,
+            "adapter_gain_ci95_high": high,
+            "adapter_gain_p_value": metrics["adapter_gain_p_value"],
+            "wins": int(metrics["adapter_wins"]),
+            "losses": int(metrics["adapter_losses"]),
+            "min_gain": config.min_gain,
+            "num_samples": n,
+            "too_few_samples": n < MIN_PAIRS,
+        },
+    )
+
+
+CHECKS = (adapter_accuracy_meets_threshold, adapter_gain_significant)
+
+
+@dg.asset(
+    code_version="1", kinds={"pytorch", "html"}, group_name="models", check_specs=check_specs("eval_report", CHECKS)
+)
 def eval_report(
     context: dg.AssetExecutionContext,
     config: EvalReportConfig,
@@ -63,7 +114,7 @@ def eval_report(
     occlusion_manifests: ArtifactRef,
     artifact_store: ArtifactStoreResource,
     mlflow: MlflowTrackingResource,
-) -> dg.Output[ArtifactRef]:
+) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
     """Greedy decoding on the validation split: exact-match (and the seed's lenient) accuracy with the
     adapter, without it (identity) on the same occluded images, and on the clean images; per-class
     accuracy, confusion matrix, and ``report.html`` (self-contained: curves, tables, prediction cards)."""
@@ -134,59 +185,7 @@ def eval_report(
             },
         )
 
-    return materialize_memoized(
-        context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream
-    )
-
-
-@dg.asset_check(asset=eval_report, blocking=True)
-def adapter_accuracy_meets_threshold(config: AccuracyCheckConfig, eval_report: ArtifactRef) -> dg.AssetCheckResult:
-    """The 95 % Wilson lower bound of the exact-match accuracy with the adapter reaches ``min_accuracy``
-    (this check's config), beside chance (one over the classes)."""
-    metrics = eval_report.metadata["metrics"]
-    accuracy, low, bound = metrics["accuracy_adapter"], metrics["accuracy_adapter_ci95_low"], config.min_accuracy
-    n, chance = int(metrics["num_samples"]), metrics.get("chance")
-    return dg.AssetCheckResult(
-        passed=bool(low >= bound),
-        description=f"accuracy {accuracy:.1%} (95% CI lower bound {low:.1%}, n={n}) vs threshold {bound:.1%}"
-        + (f" (chance {chance:.0%})" if chance is not None else "")
-        + small_sample_note(n),
-        metadata={
-            "accuracy_adapter": accuracy,
-            "accuracy_adapter_ci95_low": low,
-            "min_accuracy": bound,
-            "num_samples": n,
-            "too_few_samples": n < MIN_PAIRS,
-            **({"chance": chance} if chance is not None else {}),
-        },
-    )
-
-
-@dg.asset_check(asset=eval_report, blocking=True)
-def adapter_gain_significant(config: GainCheckConfig, eval_report: ArtifactRef) -> dg.AssetCheckResult:
-    """The adapter helps, beyond the evaluation's own noise: the 95 % paired-bootstrap interval of its gain
-    over the identity (accuracy with minus without it, on the same occluded images) lies above
-    ``min_gain`` (this check's config). Beside it: the exact McNemar p-value and the discordant pairs."""
-    metrics = eval_report.metadata["metrics"]
-    gain, low, high = metrics["adapter_gain"], metrics["adapter_gain_ci95_low"], metrics["adapter_gain_ci95_high"]
-    n = int(metrics["num_samples"])
-    return dg.AssetCheckResult(
-        passed=bool(low > config.min_gain),
-        description=f"adapter gain {gain:+.1%} (95% CI [{low:+.1%}, {high:+.1%}], "
-        f"McNemar p={metrics['adapter_gain_p_value']:.2g}, n={n}) vs min_gain {config.min_gain:+.1%}"
-        + small_sample_note(n),
-        metadata={
-            "adapter_gain": gain,
-            "adapter_gain_ci95_low": low,
-            "adapter_gain_ci95_high": high,
-            "adapter_gain_p_value": metrics["adapter_gain_p_value"],
-            "wins": int(metrics["adapter_wins"]),
-            "losses": int(metrics["adapter_losses"]),
-            "min_gain": config.min_gain,
-            "num_samples": n,
-            "too_few_samples": n < MIN_PAIRS,
-        },
-    )
+    yield from materialize_memoized(context, artifact_store, mlflow, config, build, upstream, checks=CHECKS)
 
 
 def intervals(summary: dict[str, float]) -> dict[str, list[float]]:

@@ -11,12 +11,13 @@ import base64
 import json
 import math
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
 
-from vlm_assets.defs.platform.checks import artifact_scan
+from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_specs
 from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher, launch_trainer, numbers
 from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized
 from vlm_assets.defs.platform.profiles import ProfileDefaults
@@ -25,12 +26,9 @@ from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.paths import runs_dir
 from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.gpt_config import PretrainConfig
+from vlm_assets.train.run_config import run_section
 
 TRAINER_MODULE = "vlm_assets.train.gpt_pretrain"
-
-
-class GPTCheckpointConfig(PretrainConfig, AssetConfig):
-    """``PretrainConfig`` as the asset's config: the same fields, constraints and defaults."""
 
 
 class ValLossCheckConfig(ProfileDefaults, dg.Config):
@@ -41,12 +39,63 @@ class ValLossCheckConfig(ProfileDefaults, dg.Config):
     )
 
 
+class GPTCheckpointConfig(PretrainConfig, AssetConfig):
+    """``PretrainConfig`` as the asset's config: the same fields, constraints and defaults, and the
+    checks' section."""
+
+    checks: ValLossCheckConfig = run_section(ValLossCheckConfig, CHECKS_SECTION)
+
+
+def val_loss_beats_uniform(judged: Judged) -> dg.AssetCheckResult:
+    """Final validation loss is finite and at least ``checks.min_val_loss_gain`` nats below the loss of a
+    uniform predictor over the vocabulary (ln V = 10.82 for GPT-2 BPE). A run setting: changing it
+    judges the same checkpoint again, never retrains it."""
+    metrics, metadata = judged.ref.metadata["metrics"], judged.ref.metadata["metadata"]
+    val_loss, uniform = metrics["val_loss"], math.log(metadata["vocab_size"])
+    bound = uniform - judged.settings.min_val_loss_gain
+    return dg.AssetCheckResult(
+        passed=bool(math.isfinite(val_loss) and val_loss < bound),
+        description=f"val loss {val_loss:.3f} vs uniform {uniform:.3f} (must be < {bound:.3f})",
+        metadata={"val_loss": val_loss, "uniform_loss": uniform, "bound": bound},
+    )
+
+
+def export_scan(root: Path, shards_uri: str) -> dict[str, float]:
+    """The export's loss on the trainer's fixed validation batch, loaded with ``transformers`` alone,
+    beside the trainer's own (``reference.json``): computed once when built, recorded in the manifest."""
+    from vlm_assets.data.token_stream import reference_batch
+    from vlm_assets.models.gpt_export import hf_loss
+
+    expected = json.loads((root / "reference.json").read_text())
+    with tempfile.TemporaryDirectory(dir=runs_dir()) as tmp:
+        batch = reference_batch(shards_uri, expected["num_samples"], tmp)
+        return {"export_loss": hf_loss(root / "hf", batch), "trainer_loss": expected["val_batch_loss"]}
+
+
+def export_reproduces_val_loss(judged: Judged) -> dg.AssetCheckResult:
+    """The Hugging Face export, loaded with ``transformers`` alone (``GPT2LMHeadModel``), gives the
+    trainer's loss on a fixed validation batch (within 1e-3 nats). Measured when the artifact is
+    built; on a cache hit judged from that record after a size check (``defs/platform/checks.py``)."""
+    scanned, source = judged.scan(lambda root: export_scan(root, judged.upstream["token_shards"].uri))
+    loss, trainer = scanned["export_loss"], scanned["trainer_loss"]
+    diff = abs(loss - trainer)
+    return dg.AssetCheckResult(
+        passed=bool(diff < 1e-3),
+        description=f"export loss {loss:.5f}, trainer loss {trainer:.5f}",
+        metadata={"export_loss": loss, "trainer_loss": trainer, "abs_diff": diff, "scan": source},
+    )
+
+
+CHECKS = (val_loss_beats_uniform, export_reproduces_val_loss)
+
+
 @dg.asset(
     code_version="1",
     kinds={"pytorch", "lightning"},
     group_name="models",
     retry_policy=dg.RetryPolicy(max_retries=2, delay=2),
     pool=TRAINING_POOL,
+    check_specs=check_specs("gpt_checkpoint", CHECKS),
 )
 def gpt_checkpoint(
     context: dg.AssetExecutionContext,
@@ -55,7 +104,7 @@ def gpt_checkpoint(
     artifact_store: ArtifactStoreResource,
     mlflow: MlflowTrackingResource,
     launcher: TrainingLauncher,
-) -> dg.Output[ArtifactRef]:
+) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
     """A GPT-2-style decoder pretrained from scratch on ``token_shards`` with Lightning (DDP or FSDP2),
     as a distributed job on ``num_nodes`` x ``nproc_per_node`` processes. Contains ``checkpoint.ckpt``
     (consolidated Lightning checkpoint), ``hf/`` (a ``GPT2LMHeadModel`` export with tokenizer, loadable
@@ -95,52 +144,4 @@ def gpt_checkpoint(
             markdown={"loss_curve": f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"},
         )
 
-    return materialize_memoized(
-        context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream
-    )
-
-
-@dg.asset_check(asset=gpt_checkpoint, blocking=True)
-def val_loss_beats_uniform(config: ValLossCheckConfig, gpt_checkpoint: ArtifactRef) -> dg.AssetCheckResult:
-    """Final validation loss is finite and at least ``min_val_loss_gain`` nats below the loss of a
-    uniform predictor over the vocabulary (ln V = 10.82 for GPT-2 BPE). The threshold is this check's
-    own config: changing it re-runs the check, never the training."""
-    metrics, metadata = gpt_checkpoint.metadata["metrics"], gpt_checkpoint.metadata["metadata"]
-    val_loss, uniform = metrics["val_loss"], math.log(metadata["vocab_size"])
-    bound = uniform - config.min_val_loss_gain
-    return dg.AssetCheckResult(
-        passed=bool(math.isfinite(val_loss) and val_loss < bound),
-        description=f"val loss {val_loss:.3f} vs uniform {uniform:.3f} (must be < {bound:.3f})",
-        metadata={"val_loss": val_loss, "uniform_loss": uniform, "bound": bound},
-    )
-
-
-def export_scan(root: Path, shards_uri: str) -> dict[str, float]:
-    """The export's loss on the trainer's fixed validation batch, loaded with ``transformers`` alone,
-    beside the trainer's own (``reference.json``): computed once when built, recorded in the manifest."""
-    from vlm_assets.data.token_stream import reference_batch
-    from vlm_assets.models.gpt_export import hf_loss
-
-    expected = json.loads((root / "reference.json").read_text())
-    with tempfile.TemporaryDirectory(dir=runs_dir()) as tmp:
-        batch = reference_batch(shards_uri, expected["num_samples"], tmp)
-        return {"export_loss": hf_loss(root / "hf", batch), "trainer_loss": expected["val_batch_loss"]}
-
-
-@dg.asset_check(asset=gpt_checkpoint, blocking=True, additional_ins={"token_shards": dg.AssetIn()})
-def export_reproduces_val_loss(
-    gpt_checkpoint: ArtifactRef, token_shards: ArtifactRef, artifact_store: ArtifactStoreResource
-) -> dg.AssetCheckResult:
-    """The Hugging Face export, loaded with ``transformers`` alone (``GPT2LMHeadModel``), gives the
-    trainer's loss on a fixed validation batch (within 1e-3 nats). Measured when the artifact is
-    built; on a cache hit judged from that record after a size check (``defs/platform/checks.py``)."""
-    scanned, source = artifact_scan(
-        gpt_checkpoint, artifact_store.get_store(), lambda root: export_scan(root, token_shards.uri)
-    )
-    loss, trainer = scanned["export_loss"], scanned["trainer_loss"]
-    diff = abs(loss - trainer)
-    return dg.AssetCheckResult(
-        passed=bool(diff < 1e-3),
-        description=f"export loss {loss:.5f}, trainer loss {trainer:.5f}",
-        metadata={"export_loss": loss, "trainer_loss": trainer, "abs_diff": diff, "scan": source},
-    )
+    yield from materialize_memoized(context, artifact_store, mlflow, config, build, upstream, checks=CHECKS)

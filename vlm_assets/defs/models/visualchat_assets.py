@@ -9,11 +9,13 @@ every process, and commits what rank 0 wrote.
 
 import base64
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
 
+from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_specs
 from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher, launch_trainer, numbers
 from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized, upstream_ref
 from vlm_assets.defs.platform.profiles import ProfileDefaults
@@ -22,13 +24,28 @@ from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
 from vlm_assets.paths import require_local
 from vlm_assets.storage import ArtifactRef
+from vlm_assets.train.run_config import run_section
 from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfig
 
 TRAINER_MODULE = "vlm_assets.train.visualchat_train"
 
 
+class VQACheckConfig(ProfileDefaults, dg.Config):
+    min_exact_match: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description=(
+            "The 95 % Wilson lower bound of the merged model's VQA exact match on held-out images must reach this."
+        ),
+    )
+
+
 class VisualChatAssetConfig(VisualChatTrainConfig, AssetConfig):
-    """``VisualChatTrainConfig`` as the asset's config: the same fields, constraints and defaults."""
+    """``VisualChatTrainConfig`` as the asset's config: the same fields, constraints and defaults, and the
+    checks' section."""
+
+    checks: VQACheckConfig = run_section(VQACheckConfig, CHECKS_SECTION)
 
     def check_values(self) -> None:
         require_local(self.decoder, "config field decoder")
@@ -41,16 +58,56 @@ class VisualChatAssetConfig(VisualChatTrainConfig, AssetConfig):
             raise FileNotFoundError(f"config field image_folder: directory {self.image_folder} does not exist")
 
 
-class VQACheckConfig(ProfileDefaults, dg.Config):
-    min_exact_match: float = Field(
-        default=0.5,
-        ge=0,
-        le=1,
-        description=(
-            "The 95 % Wilson lower bound of the merged model's VQA exact match on held-out images must reach this "
-            "(a check setting: changing it re-runs the check only)."
-        ),
+def eval_loss_beats_untrained(judged: Judged) -> dg.AssetCheckResult:
+    """The held-out loss after training is below the untrained model's (projection at init, LoRA zero)."""
+    metrics = judged.ref.metadata["metrics"]
+    loss, baseline = metrics["eval_loss"], metrics["baseline_eval_loss"]
+    return dg.AssetCheckResult(
+        passed=bool(loss < baseline),
+        description=f"held-out loss {loss:.4f} vs untrained {baseline:.4f}",
+        metadata={"eval_loss": loss, "baseline_eval_loss": baseline},
     )
+
+
+def vqa_exact_match_meets_threshold(judged: Judged) -> dg.AssetCheckResult:
+    """The 95 % Wilson lower bound of the merged model's exact match on held-out clean images (asked the
+    template's prompt) reaches ``checks.min_exact_match``, beside chance (one over the
+    classes) and the exact match asked in held-out phrasings."""
+    metrics = judged.ref.metadata["metrics"]
+    if "vqa_exact_match" not in metrics:
+        return dg.AssetCheckResult(passed=False, description="not measured: eval_images is 0")
+    match, chance, images = metrics["vqa_exact_match"], metrics["vqa_chance"], int(metrics["vqa_images"])
+    low = metrics.get("vqa_exact_match_ci95_low", match)  # a model built before intervals were measured
+    phrased = metrics.get("vqa_held_out_phrasings_exact_match")
+    return dg.AssetCheckResult(
+        passed=bool(low >= judged.settings.min_exact_match),
+        description=f"exact match {match:.1%} (95% CI lower bound {low:.1%}) on {images} held-out images vs threshold "
+        f"{judged.settings.min_exact_match:.1%} (chance {chance:.0%})"
+        + (f"; in held-out phrasings {phrased:.1%}" if phrased is not None else "")
+        + small_sample_note(images),
+        metadata={
+            "vqa_exact_match": match,
+            "vqa_exact_match_ci95_low": low,
+            "chance": chance,
+            "min_exact_match": judged.settings.min_exact_match,
+            "num_images": images,
+            "too_few_samples": images < MIN_PAIRS,
+            **({"vqa_held_out_phrasings_exact_match": phrased} if phrased is not None else {}),
+        },
+    )
+
+
+def merged_equals_unmerged(judged: Judged) -> dg.AssetCheckResult:
+    """Merging LoRA into the decoder changed no output by more than 1e-4 (logits on a fixed held-out batch)."""
+    diff = judged.ref.metadata["metrics"]["merge_max_abs_diff"]
+    return dg.AssetCheckResult(
+        passed=bool(diff < 1e-4),
+        description=f"largest logit difference {diff:.2e}",
+        metadata={"merge_max_abs_diff": diff},
+    )
+
+
+CHECKS = (eval_loss_beats_untrained, vqa_exact_match_meets_threshold, merged_equals_unmerged)
 
 
 @dg.asset(
@@ -62,6 +119,7 @@ class VQACheckConfig(ProfileDefaults, dg.Config):
     # Read only when the config names it (decoder: gpt_checkpoint): a `deps` edge, so a VisualChat
     # on a hub decoder neither waits for the GPT nor rebuilds when it changes.
     deps=["gpt_checkpoint"],
+    check_specs=check_specs("visualchat_model", CHECKS),
 )
 def visualchat_model(
     context: dg.AssetExecutionContext,
@@ -70,7 +128,7 @@ def visualchat_model(
     artifact_store: ArtifactStoreResource,
     mlflow: MlflowTrackingResource,
     launcher: TrainingLauncher,
-) -> dg.Output[ArtifactRef]:
+) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
     """A vision encoder + projection + causal-LM decoder with LoRA (DeepSpeed-VisualChat's recipe), trained
     with the plain DeepSpeed engine (ZeRO-2/3) on ``nproc_per_node`` x ``num_nodes`` processes; LoRA merged.
     Contains ``model/`` (``VisualChatModel.from_pretrained``; ``python -m vlm_assets.chat``), ``history.json``,
@@ -106,9 +164,7 @@ def visualchat_model(
             markdown=report_markdown(staging, run, config),
         )
 
-    return materialize_memoized(
-        context, artifact_store=artifact_store, mlflow=mlflow, config=config, build=build, upstream=upstream
-    )
+    yield from materialize_memoized(context, artifact_store, mlflow, config, build, upstream, checks=CHECKS)
 
 
 def report_markdown(staging: Path, run: TrackedRun, config: VisualChatAssetConfig) -> dict[str, str]:
@@ -143,58 +199,6 @@ def report_markdown(staging: Path, run: TrackedRun, config: VisualChatAssetConfi
             lines.append(f"| {message['role']} | {text.replace('|', '/')} |")
         markdown["conversation"] = "\n".join(lines)
     return markdown
-
-
-@dg.asset_check(asset=visualchat_model, blocking=True)
-def eval_loss_beats_untrained(visualchat_model: ArtifactRef) -> dg.AssetCheckResult:
-    """The held-out loss after training is below the untrained model's (projection at init, LoRA zero)."""
-    metrics = visualchat_model.metadata["metrics"]
-    loss, baseline = metrics["eval_loss"], metrics["baseline_eval_loss"]
-    return dg.AssetCheckResult(
-        passed=bool(loss < baseline),
-        description=f"held-out loss {loss:.4f} vs untrained {baseline:.4f}",
-        metadata={"eval_loss": loss, "baseline_eval_loss": baseline},
-    )
-
-
-@dg.asset_check(asset=visualchat_model, blocking=True)
-def vqa_exact_match_meets_threshold(config: VQACheckConfig, visualchat_model: ArtifactRef) -> dg.AssetCheckResult:
-    """The 95 % Wilson lower bound of the merged model's exact match on held-out clean images (asked the
-    template's prompt) reaches ``min_exact_match`` (this check's config), beside chance (one over the
-    classes) and the exact match asked in held-out phrasings."""
-    metrics = visualchat_model.metadata["metrics"]
-    if "vqa_exact_match" not in metrics:
-        return dg.AssetCheckResult(passed=False, description="not measured: eval_images is 0")
-    match, chance, images = metrics["vqa_exact_match"], metrics["vqa_chance"], int(metrics["vqa_images"])
-    low = metrics.get("vqa_exact_match_ci95_low", match)  # a model built before intervals were measured
-    phrased = metrics.get("vqa_held_out_phrasings_exact_match")
-    return dg.AssetCheckResult(
-        passed=bool(low >= config.min_exact_match),
-        description=f"exact match {match:.1%} (95% CI lower bound {low:.1%}) on {images} held-out images vs threshold "
-        f"{config.min_exact_match:.1%} (chance {chance:.0%})"
-        + (f"; in held-out phrasings {phrased:.1%}" if phrased is not None else "")
-        + small_sample_note(images),
-        metadata={
-            "vqa_exact_match": match,
-            "vqa_exact_match_ci95_low": low,
-            "chance": chance,
-            "min_exact_match": config.min_exact_match,
-            "num_images": images,
-            "too_few_samples": images < MIN_PAIRS,
-            **({"vqa_held_out_phrasings_exact_match": phrased} if phrased is not None else {}),
-        },
-    )
-
-
-@dg.asset_check(asset=visualchat_model, blocking=True)
-def merged_equals_unmerged(visualchat_model: ArtifactRef) -> dg.AssetCheckResult:
-    """Merging LoRA into the decoder changed no output by more than 1e-4 (logits on a fixed held-out batch)."""
-    diff = visualchat_model.metadata["metrics"]["merge_max_abs_diff"]
-    return dg.AssetCheckResult(
-        passed=bool(diff < 1e-4),
-        description=f"largest logit difference {diff:.2e}",
-        metadata={"merge_max_abs_diff": diff},
-    )
 
 
 class RegisteredVisualChatConfig(AssetConfig):

@@ -1,13 +1,16 @@
 """Data checks that scale: the artifact is read once, when it is built; a cache hit reads its manifest.
 
-A data asset's build scans its staged artifact once (``Built.scan``: every check's inputs, as JSON)
+Every check runs in its asset's step (``check_specs`` + ``judge``). A data asset's build scans its
+staged artifact once (``Built.scan``: every check's inputs, as JSON)
 and the scan is committed inside the artifact's manifest. Each check judges that recorded scan after
 ``quick_verify`` (each listed file present with its recorded size: one stat or one S3 listing, never
 the content). Only when sizes disagree, or an older artifact has no scan, does a check read the
 content again, and it says so in its metadata.
 """
 
-from collections.abc import Callable
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +38,47 @@ def check_result(outcome: Any, scanned_from: str) -> dg.AssetCheckResult:
         metadata={**outcome.metadata, "scan": scanned_from},
         severity=dg.AssetCheckSeverity.WARN if outcome.warning else dg.AssetCheckSeverity.ERROR,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Judged:
+    """What an asset's checks judge, inside the asset's own step: the artifact the step returns (built
+    now, or a cache hit), the ``checks`` section of the asset's config (its thresholds), the store,
+    and the upstream artifacts it was built from."""
+
+    ref: ArtifactRef
+    settings: Any = None
+    store: ArtifactStore | None = None
+    upstream: Mapping[str, ArtifactRef] = dataclasses.field(default_factory=dict)
+
+    def scan(self, scan: Callable[[Path], dict[str, Any]]) -> tuple[dict[str, Any], str]:
+        assert self.store is not None, "a scan needs the artifact store"
+        return artifact_scan(self.ref, self.store, scan)
+
+
+Check = Callable[[Judged], dg.AssetCheckResult]
+CHECKS_SECTION = "The checks' settings: changing one judges the same artifact again, never rebuilds it."
+
+
+def check_specs(asset: str, checks: Sequence[Check]) -> list[dg.AssetCheckSpec]:
+    """The asset's checks as blocking specs of its own step (named and described by the functions).
+
+    They run where the artifact is in hand, so a cache hit costs one step process, not one more per
+    check (Dagster runs an ``@asset_check`` in a step of its own, which loads the definitions again).
+    A failed one records its evaluation beside the materialization, then fails the step without
+    retries: nothing downstream runs."""
+    return [dg.AssetCheckSpec(c.__name__, asset=asset, blocking=True, description=inspect.getdoc(c)) for c in checks]
+
+
+def judge(output: dg.Output[ArtifactRef], checks: Sequence[Check], subject: Judged) -> Iterator[Any]:
+    """The step's events: its output, then each check's result on it."""
+    yield output
+    for check in checks:
+        result = check(subject)
+        yield dg.AssetCheckResult(
+            check_name=check.__name__,
+            passed=result.passed,
+            description=result.description,
+            metadata=result.metadata,
+            severity=result.severity,
+        )

@@ -17,13 +17,14 @@ import contextlib
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import pydantic
 
+from vlm_assets.defs.platform.checks import Check, Judged, judge
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.reaper import fail_dead_run
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
@@ -104,23 +105,39 @@ def upstream_ref(context: dg.AssetExecutionContext, store: ArtifactStore, asset:
 
 def materialize_memoized(
     context: dg.AssetExecutionContext,
-    *,
     artifact_store: ArtifactStoreResource,
     mlflow: MlflowTrackingResource,
     config: AssetConfig,
     build: Callable[[Path, TrackedRun], Built],
     upstream: Mapping[str, ArtifactRef] | None = None,
+    *,
+    checks: Sequence[Check] = (),
+) -> Iterator[Any]:
+    """The step's events: the artifact (a cache hit, or built and committed), then ``checks`` on it,
+    judged with the config's ``checks`` section (declare them with ``check_specs``)."""
+    output = _materialize(context, artifact_store, mlflow, config, build, upstream or {})
+    subject = Judged(output.value, getattr(config, "checks", None), artifact_store.get_store(), upstream or {})
+    yield from judge(output, checks, subject)
+
+
+def _materialize(
+    context: dg.AssetExecutionContext,
+    artifact_store: ArtifactStoreResource,
+    mlflow: MlflowTrackingResource,
+    config: AssetConfig,
+    build: Callable[[Path, TrackedRun], Built],
+    upstream: Mapping[str, ArtifactRef],
 ) -> dg.Output[ArtifactRef]:
     with bad_input_fails_fast():
         config.check_values()
-        key = artifact_key(context, config, upstream or {})
+        key = artifact_key(context, config, upstream)
         store, started = artifact_store.get_store(), time.perf_counter()
         with _build_lease(context, artifact_store, store, key) as lease:
             if lease is None or store.exists(key):
                 ref = store.ref(key)
                 context.log.info(f"cache hit: {ref.uri} (data version {ref.data_version})")
                 return _output(ref, "hit", time.perf_counter() - started, config)
-            return _build(context, store, lease, mlflow, config, build, upstream or {}, key, started)
+            return _build(context, store, lease, mlflow, config, build, upstream, key, started)
 
 
 @contextlib.contextmanager

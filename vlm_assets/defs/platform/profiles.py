@@ -85,7 +85,7 @@ def _demo(data: Path) -> dict[str, dict[str, Any]]:
             "checkpoint_every": 150,
             "log_every": 50,
         },
-        "VQACheckConfig": {"min_exact_match": 0.3},
+        "VQACheckConfig": {"min_exact_match": 0.3},  # visualchat_model's checks section
         # The adapter at the images' own 28 px in front of that VisualChat model (frozen), on 2 processes:
         # 6 weight-tied steps (a 12 px reach: the whole box), 10 epochs of reconstruction (it learns to
         # inpaint; no backbone). The LM loss is left out here: on this lineage it shuts the gate (README,
@@ -106,8 +106,8 @@ def _demo(data: Path) -> dict[str, dict[str, Any]]:
             "num_validation": 200,
         },
         "EvalReportConfig": {"num_samples": 500, "batch_size": 50, "num_cards": 24},
-        # Check settings are the checks' own config: changing one re-runs the check, not the asset.
-        "AccuracyCheckConfig": {"min_accuracy": 0.3},
+        # eval_report's checks section: changing a threshold judges the same report again, never rebuilds it.
+        "EvalChecksConfig": {"min_accuracy": 0.3},
     }
 
 
