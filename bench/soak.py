@@ -136,15 +136,9 @@ def draw_schedule(rng: random.Random, steps: list[int]) -> list[Fault]:
 
 def processes(marker: str) -> dict[str, list[int]]:
     """Live torchrun agents and training workers of ``MODULE`` whose command line has ``marker``."""
-    found: dict[str, list[int]] = {"agent": [], "worker": []}
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = b" ".join(cmdline.read_bytes().split(b"\0")).decode(errors="replace")
-        except OSError:
-            continue
-        if MODULE in text and marker in text:
-            found["agent" if "torch.distributed.run" in text else "worker"].append(int(cmdline.parent.name))
-    return found
+    from vlm_assets.launch.local import training_processes
+
+    return training_processes(MODULE, marker)
 
 
 class Soak:

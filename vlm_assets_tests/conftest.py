@@ -275,15 +275,9 @@ def checks_of(result, *assets: str) -> dict[str, bool]:
 
 def training_workers(module: str, marker: str) -> list[int]:
     """PIDs of live training workers of ``module`` (not torchrun agents) whose command line has ``marker``."""
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = b" ".join(cmdline.read_bytes().split(b"\0")).decode(errors="replace")
-        except OSError:
-            continue
-        if module in text and "torch.distributed.run" not in text and marker in text:
-            pids.append(int(cmdline.parent.name))
-    return pids
+    from vlm_assets.launch.local import training_processes
+
+    return training_processes(module, marker)["worker"]
 
 
 @dataclasses.dataclass

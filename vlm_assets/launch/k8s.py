@@ -430,6 +430,7 @@ def run_k8s(
     labels: dict[str, str] | None = None,
     api=None,
     poll_s: float = 1.0,
+    canceled: Callable[[], bool] | None = None,
 ) -> None:
     """Run ``spec`` as pods; return when every node succeeded; raise ``LaunchFailed`` otherwise.
     ``on_line(node, line)`` gets every pod's log lines as they come. Deletes what it created."""
@@ -456,13 +457,13 @@ def run_k8s(
             f"[launcher] {spec.name}: {spec.num_nodes} pod(s) x {spec.nproc_per_node} process(es) in "
             f"namespace {settings.namespace}, rendezvous {launch.rendezvous_host()}:{settings.rendezvous_port}",
         )
-        _supervise(launch, core, lines, tails, on_line, stop, poll_s)
+        _supervise(launch, core, lines, tails, on_line, stop, poll_s, canceled)
     finally:
         stop.set()
         delete_launch(core, batch, settings.namespace, launch.name)
 
 
-def _supervise(launch: Launch, core, lines, tails, on_line, stop, poll_s) -> None:
+def _supervise(launch: Launch, core, lines, tails, on_line, stop, poll_s, canceled) -> None:
     spec, settings = launch.spec, launch.settings
     started = time.monotonic()
     deadline = started + spec.timeout_s
@@ -512,6 +513,9 @@ def _supervise(launch: Launch, core, lines, tails, on_line, stop, poll_s) -> Non
             raise LaunchFailed(
                 0, None, None, list(tails[0]), f"{spec.name} ran past its {spec.timeout_s} s timeout", "timeout"
             )
+        if canceled is not None and canceled():  # run_k8s deletes the pods on the way out
+            drain(0.5)
+            raise LaunchFailed(0, None, None, list(tails[0]), f"{spec.name}: its run was canceled", "canceled")
 
 
 def _failure(

@@ -31,6 +31,7 @@ from vlm_assets.launch.spec import SHARED_HOST_ENV, LaunchSpec
 _TAIL_LINES = 100
 _GRACE_S = 15.0
 _PEERS_S = 3.0
+CANCEL_POLL_S = 2.0  # how often a launch asks whether its run was canceled
 
 
 @dataclasses.dataclass
@@ -94,8 +95,14 @@ def torchrun_command(spec: LaunchSpec, endpoint: str, run_id: str) -> list[str]:
     )
 
 
-def run_local(spec: LaunchSpec, on_line: Callable[[str], None] = print, env: Mapping[str, str] | None = None) -> None:
-    """Run ``spec`` to completion on this machine; raise ``LaunchFailed`` if any node fails or it times out."""
+def run_local(
+    spec: LaunchSpec,
+    on_line: Callable[[str], None] = print,
+    env: Mapping[str, str] | None = None,
+    canceled: Callable[[], bool] | None = None,
+) -> None:
+    """Run ``spec`` to completion on this machine; raise ``LaunchFailed`` if any node fails, it times
+    out, or ``canceled()`` (asked every ``CANCEL_POLL_S``) says its run was canceled."""
     from torch.distributed import TCPStore
 
     port = free_port()
@@ -128,7 +135,7 @@ def run_local(spec: LaunchSpec, on_line: Callable[[str], None] = print, env: Map
             threading.Thread(target=_pump, args=(node, proc, lines), daemon=True).start()
         shape = f"{spec.num_nodes} node(s) x {spec.nproc_per_node} process(es)"
         on_line(f"[launcher] {spec.name}: {shape}, rendezvous {endpoint}")
-        _supervise(spec, nodes, lines, tails, on_line)
+        _supervise(spec, nodes, lines, tails, on_line, canceled)
     finally:
         stop_process_trees([p for p in nodes if p.poll() is None])
         for proc in nodes:
@@ -144,8 +151,9 @@ def _pump(node: int, proc: subprocess.Popen, lines: queue.Queue) -> None:
     lines.put((node, None))
 
 
-def _supervise(spec, nodes, lines, tails, on_line) -> None:
+def _supervise(spec, nodes, lines, tails, on_line, canceled) -> None:
     deadline = time.monotonic() + spec.timeout_s
+    next_ask = time.monotonic() + CANCEL_POLL_S
     open_streams = len(nodes)
     while True:
         try:
@@ -181,6 +189,12 @@ def _supervise(spec, nodes, lines, tails, on_line) -> None:
             raise LaunchFailed(
                 0, None, None, list(tails[0]), f"{spec.name} ran past its {spec.timeout_s} s timeout", "timeout"
             )
+        if canceled is not None and time.monotonic() > next_ask:
+            next_ask = time.monotonic() + CANCEL_POLL_S
+            if canceled():
+                stop_process_trees(nodes)
+                _drain(lines, tails, on_line)
+                raise LaunchFailed(0, None, None, list(tails[0]), f"{spec.name}: its run was canceled", "canceled")
 
 
 def _drain(lines, tails, on_line) -> None:
@@ -211,6 +225,20 @@ def _children() -> dict[int, list[int]]:
             continue
         children[int(fields[1])].append(int(stat.parent.name))
     return children
+
+
+def training_processes(module: str, marker: str) -> dict[str, list[int]]:
+    """PIDs of live torchrun agents (``agent``) and training workers (``worker``) of ``module`` whose
+    command line holds ``marker`` (a run's scratch path, say), from Linux ``/proc``."""
+    found: dict[str, list[int]] = {"agent": [], "worker": []}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = b" ".join(cmdline.read_bytes().split(b"\0")).decode(errors="replace")
+        except OSError:
+            continue
+        if module in text and marker in text:
+            found["agent" if "torch.distributed.run" in text else "worker"].append(int(cmdline.parent.name))
+    return found
 
 
 def process_tree(pid: int) -> list[int]:

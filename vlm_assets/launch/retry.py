@@ -43,6 +43,7 @@ RULES = {
             True,
             "the artifact store or the tracking server is unreachable or answers 5xx past its client's own retries",
         ),
+        Rule("canceled", False, "its run is terminated (the UI's Terminate): the launch stops its workers or pods"),
         Rule("error", False, "any other non-zero exit: a config or code error (exit 1 with a traceback, 2, ...)"),
     )
 }

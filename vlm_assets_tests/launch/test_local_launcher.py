@@ -48,6 +48,17 @@ def test_the_job_timeout_stops_a_hanging_job():
     assert len(pids) == 2 and not any(alive(pid) for pid in pids)
 
 
+@pytest.mark.slow
+def test_a_canceled_run_stops_its_job_and_is_not_retried():
+    lines = []
+    spec = LaunchSpec(WORKER, ("--hang",), num_nodes=1, nproc_per_node=2, env=ENV, timeout_s=600)
+    with pytest.raises(LaunchFailed, match="canceled") as failed:
+        run_local(spec, on_line=lines.append, canceled=lambda: len(_pids(lines)) == 2)
+    assert failed.value.rule.cause == "canceled" and not failed.value.rule.retry
+    pids = _pids(lines)
+    assert len(pids) == 2 and not any(alive(pid) for pid in pids)
+
+
 def test_bad_specs_are_refused():
     with pytest.raises(ValueError, match="module"):
         LaunchSpec("not a module; rm -rf /")

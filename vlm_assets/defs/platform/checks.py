@@ -1,11 +1,12 @@
-"""Data checks that scale: the artifact is read once, when it is built; a cache hit reads its manifest.
+"""Checks that scale: run in their asset's step, on what the build recorded.
 
-Every check runs in its asset's step (``check_specs`` + ``judge``). A data asset's build scans its
-staged artifact once (``Built.scan``: every check's inputs, as JSON)
-and the scan is committed inside the artifact's manifest. Each check judges that recorded scan after
-``quick_verify`` (each listed file present with its recorded size: one stat or one S3 listing, never
-the content). Only when sizes disagree, or an older artifact has no scan, does a check read the
-content again, and it says so in its metadata.
+Every check runs in its asset's own step (``check_specs`` declares them, ``judge`` yields their
+results after the output), so a cache hit costs one step process. A data asset's build scans its
+staged artifact once (``Built.scan``: every check's inputs, as JSON) and the scan is committed inside
+the artifact's manifest. Each check judges that recorded scan after ``quick_verify`` (each listed file
+present with its recorded size: one stat or one S3 listing, never the content). Only when sizes
+disagree, or an older artifact has no scan, does a check read the content again, and it says so in
+its metadata.
 """
 
 import dataclasses

@@ -61,6 +61,8 @@ def _as_step_failure() -> Iterator[None]:
         yield
     except LaunchFailed as err:
         rule = err.rule
+        if rule.cause == "canceled":  # what Dagster's own interrupt raises: the run ends CANCELED
+            raise dg.DagsterExecutionInterruptedError(str(err)) from err
         refused = dict.fromkeys(
             line[line.index(BAD_INPUT) + len(BAD_INPUT) :] for line in err.tail if BAD_INPUT in line
         )
@@ -126,7 +128,12 @@ class LocalTorchrunLauncher(TrainingLauncher):
             ) as session,
             _as_step_failure(),
         ):
-            run_local(spec, on_line=context.log.info, env={**self.env, **session.get_bootstrap_env_vars()})
+            run_local(
+                spec,
+                on_line=context.log.info,
+                env={**self.env, **session.get_bootstrap_env_vars()},
+                canceled=lambda: run_canceled(context),
+            )
         return [r for r in session.get_results() if isinstance(r, dg.MaterializeResult)]
 
 
@@ -136,6 +143,16 @@ def _die_with_orchestrator() -> None:
     and with it the local agents and workers; a step that lived on would keep following its pods."""
     if multiprocessing.parent_process() is not None:
         die_with_parent()
+
+
+def run_canceled(context: dg.AssetExecutionContext) -> bool:
+    """Whether the step's run is being terminated. Dagster's multiprocess executor interrupts its step
+    processes when a run is terminated; its in-process executor (``main_job``'s) does not reach a step
+    that is waiting on its workers, and the run would end only after training: the launch asks, and
+    stops with Dagster's own interrupt. Dagster retries an interrupted step under its RetryPolicy
+    (in process, nothing stops the retry), so a memoized step asks first too (``memo``)."""
+    run = context.instance.get_run_by_id(context.run.run_id)
+    return run is not None and run.status in (dg.DagsterRunStatus.CANCELING, dg.DagsterRunStatus.CANCELED)
 
 
 def _run_is_live(instance: dg.DagsterInstance, run_id: str) -> bool:
@@ -208,7 +225,13 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
             _as_step_failure(),
         ):
             run_k8s(
-                spec, settings, on_line, env={**forwarded, **session.get_bootstrap_env_vars()}, labels=labels, api=api
+                spec,
+                settings,
+                on_line,
+                env={**forwarded, **session.get_bootstrap_env_vars()},
+                labels=labels,
+                api=api,
+                canceled=lambda: run_canceled(context),
             )
         return [r for r in session.get_results() if isinstance(r, dg.MaterializeResult)]
 

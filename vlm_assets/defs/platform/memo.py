@@ -25,6 +25,7 @@ import dagster as dg
 import pydantic
 
 from vlm_assets.defs.platform.checks import Check, Judged, judge
+from vlm_assets.defs.platform.launcher import run_canceled
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.reaper import fail_dead_run
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
@@ -128,6 +129,8 @@ def _materialize(
     build: Callable[[Path, TrackedRun], Built],
     upstream: Mapping[str, ArtifactRef],
 ) -> dg.Output[ArtifactRef]:
+    if run_canceled(context):  # a retry of a step its run's cancellation interrupted: stop before any work
+        raise dg.DagsterExecutionInterruptedError(f"run {context.run.run_id} is being canceled")
     with bad_input_fails_fast():
         config.check_values()
         key = artifact_key(context, config, upstream)
