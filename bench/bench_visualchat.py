@@ -199,6 +199,7 @@ def train(root: Path, name: str, inputs: Path, **settings) -> tuple[dict, Path]:
         **{
             **dict(
                 encoder_kind="efficientnet_lite0",
+                encoder=None,
                 projection="mlp",
                 nproc_per_node=2,
                 micro_batch_size=4,

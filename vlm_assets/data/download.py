@@ -28,8 +28,23 @@ def md5_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+MIRROR_ENV = "VLM_ASSETS_DOWNLOAD_MIRROR"
+
+
+def mirrored(url: str) -> str:
+    """``url`` on the mirror that ``$VLM_ASSETS_DOWNLOAD_MIRROR`` names (a base URL that serves the same paths,
+    e.g. an internal copy of public datasets for a cluster without internet), else ``url`` itself."""
+    mirror = os.environ.get(MIRROR_ENV)
+    if not mirror:
+        return url
+    if not is_url(mirror):
+        raise ValueError(f"{MIRROR_ENV}={mirror!r} is not an http(s) URL")
+    return mirror.rstrip("/") + "/" + urlparse(url).path.lstrip("/")
+
+
 def fetch(uri: str, cache_dir: Path, md5: str | None = None, log: Callable[[str], None] | None = None) -> Path:
-    """Return a local path for ``uri`` (a URL or a local path), downloading a URL once.
+    """Return a local path for ``uri`` (a URL, fetched from ``$VLM_ASSETS_DOWNLOAD_MIRROR`` when set, or a
+    local path), downloading a URL once.
 
     Downloads land in ``cache_dir/<md5 of the url's folder>/<file name>`` via a temporary file, so an interrupted
     download never looks cached. With ``md5`` the file (cached or fresh) is verified; a mismatch in a
@@ -43,6 +58,7 @@ def fetch(uri: str, cache_dir: Path, md5: str | None = None, log: Callable[[str]
             raise ValueError(f"{path}: md5 {md5_file(path)} does not match the expected {md5}")
         return path
 
+    uri = mirrored(uri)
     name = Path(urlparse(uri).path).name or "download"
     # Keyed by the URL's directory, so files published side by side (idx files) land side by side.
     folder = uri.rsplit("/", 1)[0]

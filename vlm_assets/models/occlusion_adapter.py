@@ -34,7 +34,8 @@ class OcclusionAdapter(nn.Module):
             nn.Conv2d(hidden, 3, 1),
             nn.Tanh(),
         )
-        self.gate = nn.Parameter(torch.tensor(float(gate_init)))
+        # Shape (1,), not a 0-d scalar: DeepSpeed broadcasts parameters as byte views, which 0-d tensors refuse.
+        self.gate = nn.Parameter(torch.full((1,), float(gate_init)))
 
     def forward(self, pixels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``pixels`` (B, 3, H, W) in [0, 1], ``mask`` (B, 1, H, W) -> restored pixels (B, 3, H, W)."""

@@ -16,11 +16,11 @@ class VisualChatModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     encoder_kind: EncoderKind = Field(
-        default="efficientnet_lite0",
+        default="clip",
         description=("Vision encoder family: clip | qwen2_5_vl | efficientnet_lite0 (offline, pretrained)."),
     )
     encoder: str | None = Field(
-        default=None,
+        default="openai/clip-vit-large-patch14",
         description=(
             "clip / qwen2_5_vl: hub id or directory (e.g. openai/clip-vit-large-patch14); efficientnet_lite0: "
             "unset (the packaged ImageNet weights) or a weights file."

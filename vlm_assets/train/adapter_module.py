@@ -55,7 +55,7 @@ class AdapterModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         losses = self.losses(batch, with_lm=self.with_lm())
         self.log_dict({f"train/{k}": v.detach() for k, v in losses.items()}, batch_size=len(batch["prompt"]))
-        self.log("train/gate", self.adapter.gate.detach())
+        self.log("train/gate", self.adapter.gate.detach().squeeze())
         return losses["loss"]
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:

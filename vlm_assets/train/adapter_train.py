@@ -132,12 +132,47 @@ def build_trainer(config: AdapterTrainConfig, callbacks, loggers, checkpoint_io:
 
 
 def _store_deepspeed_strategy(checkpoint_io: StoreCheckpointIO):
-    from lightning.pytorch.strategies import DeepSpeedStrategy
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
     class StoreDeepSpeedStrategy(DeepSpeedStrategy):
         """DeepSpeed writes its checkpoints itself (a directory every rank writes its shards into),
         never through a ``CheckpointIO``: the directory is committed the same way once all ranks
         have written it."""
+
+        # Lightning refuses any accelerator but CUDA in these two (a check, and GPU indices per rank),
+        # while DeepSpeed itself runs ZeRO on CPU (DS_ACCELERATOR=cpu, gloo): the seed's GPU path runs
+        # on CPU in CI this way (test_seedshape.py), the rest of the strategy unchanged.
+        def setup_environment(self) -> None:
+            if torch.cuda.is_available():
+                return super().setup_environment()
+            DDPStrategy.setup_environment(self)  # the device, then setup_distributed below
+
+        def setup_distributed(self) -> None:
+            if torch.cuda.is_available():
+                return super().setup_distributed()
+            from lightning.fabric.utilities.seed import reset_seed
+
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+
+        def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+            if torch.cuda.is_available():
+                return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+            import argparse
+
+            import deepspeed
+
+            engine, optimizer, _, _ = deepspeed.initialize(  # Lightning passes the device's index: None on CPU
+                args=argparse.Namespace(device_rank=self.local_rank),
+                config=self.config,
+                model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
+            )
+            return engine, optimizer
 
         def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
             local = Path(self.broadcast(str(Path(filepath).with_suffix(""))))
@@ -209,6 +244,9 @@ def train(config: AdapterTrainConfig, paths: RunPaths, rank: int, reporter: Repo
                 **{k.replace("/", "_"): v for k, v in last.items()},
                 "gate": float(module.adapter.gate.detach()),
                 "epochs": config.epochs,
+                "strategy": "deepspeed" if "DeepSpeed" in type(trainer.strategy).__name__ else "ddp",
+                "world_size": trainer.world_size,
+                "precision": trainer.precision,
                 "resumed_from_epoch": -1 if history.resumed_from_epoch is None else history.resumed_from_epoch,
             }
         )

@@ -11,6 +11,10 @@ from vlm_assets.train.run_config import RunConfig, run_field
 
 class PretrainConfig(RunConfig):
     preset: str = Field(default="124M", description=f"Model shape and default lr: one of {list(PRESETS)}.")
+    n_embd: int | None = Field(
+        default=None, ge=1, description="Width instead of the preset's (its heads kept): a preset's shape at test size."
+    )
+    n_layer: int | None = Field(default=None, ge=1, description="Depth instead of the preset's.")
     dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout in embeddings, attention and MLP.")
     strategy: Literal["ddp", "fsdp2"] = Field(
         default="fsdp2", description="DDP, or FSDP2 (fully_shard per block, then the root)."
@@ -44,6 +48,17 @@ class PretrainConfig(RunConfig):
         if value not in PRESETS:
             raise ValueError(f"unknown preset {value!r}; choose one of {list(PRESETS)}")
         return value
+
+    def shape(self) -> dict[str, int]:
+        """The preset's shape overrides this config gives (``models.gpt_presets.preset``'s keyword arguments)."""
+        return {k: v for k, v in (("n_embd", self.n_embd), ("n_layer", self.n_layer)) if v is not None}
+
+    @model_validator(mode="after")
+    def _width_fits_the_heads(self) -> Self:
+        heads = PRESETS[self.preset][2]
+        if self.n_embd is not None and self.n_embd % heads:
+            raise ValueError(f"n_embd {self.n_embd} is not a multiple of preset {self.preset}'s {heads} heads")
+        return self
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> Self:

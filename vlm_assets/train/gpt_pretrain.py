@@ -91,6 +91,7 @@ def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, report
     model_config, preset_lr = preset(
         config.preset,
         **{"vocab_size": summary["vocab_size"], "block_size": summary["max_length"], "dropout": config.dropout},
+        **config.shape(),
     )
     lr = config.lr or preset_lr
     L.seed_everything(config.seed, workers=True, verbose=False)
@@ -148,6 +149,7 @@ def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, report
                 "resumed_from_step": history.resumed_from_step if history.resumed_from_step is not None else -1,
                 "world_size": world,
                 "strategy": config.strategy,
+                "precision": trainer.precision,
                 "checkpoint": final[0],
             }
         )

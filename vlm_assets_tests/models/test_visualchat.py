@@ -196,7 +196,9 @@ def test_a_frozen_encoder_stays_in_eval_mode_and_its_features_can_be_cached(tmp_
     move its running ones. Cached features equal computed ones, per image, in any order."""
     from vlm_assets.data.visualchat_data import load_image
 
-    model = VisualChatModel.build(VisualChatModelConfig(decoder=str(tiny_decoder(tmp_path / "llama", offline_data))))
+    decoder = str(tiny_decoder(tmp_path / "llama", offline_data))
+    config = VisualChatModelConfig(encoder_kind="efficientnet_lite0", encoder=None, decoder=decoder)
+    model = VisualChatModel.build(config)
     model.encoder.requires_grad_(False)
     model.train()
     assert model.decoder.training and not model.encoder.training
@@ -235,7 +237,8 @@ def test_a_decoder_directory_that_does_not_load_names_the_path(tmp_path):
     (tmp_path / "empty").mkdir()
     for path, error in ((tmp_path / "missing", "does not exist"), (tmp_path / "empty", "no config.json")):
         with pytest.raises((FileNotFoundError, ValueError), match=error) as info:
-            VisualChatModel.build(VisualChatModelConfig(decoder=str(path)))
+            config = VisualChatModelConfig(encoder_kind="efficientnet_lite0", encoder=None, decoder=str(path))
+            VisualChatModel.build(config)
         assert str(path) in str(info.value)
 
 

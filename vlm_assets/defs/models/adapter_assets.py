@@ -192,7 +192,13 @@ def occlusion_adapter(
             )
         )
         return Built(
-            metrics=numbers(values), metadata={"backbone": backbone, "partial": partial}, scan=weights_scan(staging)
+            metrics=numbers(values),
+            metadata={
+                "backbone": backbone,
+                "partial": partial,
+                **{k: values[k] for k in ("strategy", "precision") if k in values},  # a partial has none
+            },
+            scan=weights_scan(staging),
         )
 
     yield from materialize_memoized(context, artifact_store, mlflow, config, build, upstream, checks=CHECKS)

@@ -140,7 +140,12 @@ def gpt_checkpoint(
         return Built(
             scan=export_scan(staging, token_shards.uri),
             metrics=numbers(values),
-            metadata={"checkpoint_key": values["checkpoint"], "strategy": values["strategy"], "vocab_size": vocab},
+            metadata={
+                "checkpoint_key": values["checkpoint"],
+                "strategy": values["strategy"],
+                "precision": values["precision"],
+                "vocab_size": vocab,
+            },
             markdown={"loss_curve": f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"},
         )
 

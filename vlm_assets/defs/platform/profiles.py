@@ -67,6 +67,7 @@ def _demo(data: Path) -> dict[str, dict[str, Any]]:
             "image_folder": str(data / "cifar10-samples"),
             "decoder": "gpt_checkpoint",
             "encoder_kind": "efficientnet_lite0",
+            "encoder": None,  # the packaged ImageNet weights
             "projection": "mlp",
             "freeze_modules": ["encoder"],
             "cache_image_features": True,
