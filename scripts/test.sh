@@ -22,7 +22,4 @@ if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)
 # session timeout); each test is limited to 20 minutes (pyproject.toml).
 deadline=()
 if [ -n "${VLM_TEST_DEADLINE:-}" ]; then deadline=(--session-timeout "$(( VLM_TEST_DEADLINE - $(date +%s) ))"); fi
-# Two workers (pytest-xdist): the suite waits on processes, servers and timeouts about half of its
-# time; a module runs on one worker and the k8s testbed's users on one (vlm_assets_tests/conftest.py).
-exec python -m pytest -n 2 --dist loadscope --no-loadscope-reorder "${marker[@]}" "${deadline[@]}" \
-  -p no:cacheprovider "$@"
+exec python -m pytest "${marker[@]}" "${deadline[@]}" -p no:cacheprovider "$@"

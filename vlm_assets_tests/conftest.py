@@ -26,55 +26,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # profile's defaults are tested by loading the code location in a subprocess and by `main_job`.
 os.environ["VLM_ASSETS_PROFILE"] = "seed"
 
-# pytest-xdist (scripts/test.sh: ``-n 2``) hands out whole modules, so a module's fixtures (a trained
-# graph) are built once, and these modules as one group "k8s": they use the k8s testbed, whose ports are
-# fixed (one cluster per machine). The long groups go out first (seconds on a fresh 2-core machine, CI's
-# --durations): main_job 390 and the adapter graph 390 on the two workers, then the k8s group 590 (by
-# then the testbed, built beside the install, is ready), the team deployment 310 and the soak 140.
-K8S_GROUP = (
-    "vlm_assets_tests/defs/test_gpt_assets.py",
-    "vlm_assets_tests/defs/test_run_termination.py",
-    "vlm_assets_tests/k8s/test_k8s_launcher.py",
-)
-LONGEST_FIRST = (
-    "vlm_assets_tests/defs/test_main_job.py",
-    "vlm_assets_tests/defs/test_adapter_assets.py",
-    "k8s",
-    "vlm_assets_tests/team/test_team_services.py",
-    "vlm_assets_tests/test_soak.py",
-)
-
-
-def xdist_group_of(nodeid: str) -> str:
-    path = nodeid.split("::", 1)[0]
-    return "k8s" if path in K8S_GROUP else path
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """xdist's module scheduling with the k8s modules as one group (its own ``xdist_group`` marks do not
-    group here: xdist 3.8 renames ``item._nodeid``, which pytest 9's items no longer read)."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ModuleGroups(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return xdist_group_of(nodeid)
-
-    return ModuleGroups(config, log)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Longest groups first (xdist hands them out in collection order; stable: a module keeps its order),
-    and no test that starts the k8s testbed outside K8S_GROUP."""
-    strays = sorted({i.nodeid.split("::")[0] for i in items if "k8s_testbed" in i.fixturenames} - set(K8S_GROUP))
-    if strays:
-        raise pytest.UsageError(f"{strays} use the k8s testbed: add them to K8S_GROUP in {__file__}")
-
-    def rank(item):
-        group = xdist_group_of(item.nodeid)
-        return LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)
-
 
 @pytest.fixture(scope="session")
 def offline_data() -> Path:
