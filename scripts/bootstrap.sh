@@ -54,8 +54,16 @@ export MLFLOW_DISABLE_TELEMETRY=true MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR=false 
 command -v nvidia-smi >/dev/null || export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 # DeepSpeed on CPU compiles its shared-memory collectives op at the first `deepspeed.initialize`
 # (about 40 s on 2 cores): compile it once here, into the cache above, not inside a training step.
+# scripts/test.sh sets VLM_ASSETS_OP_BUILD=background: its first DeepSpeed test comes minutes later, and
+# a DeepSpeed process that needs the op meanwhile waits on torch's build lock, then loads it.
 if [ "${DS_ACCELERATOR:-}" = cpu ] && ! ls "$TORCH_EXTENSIONS_DIR"/deepspeed_shm_comm/*.so >/dev/null 2>&1; then
-  echo "== compiling DeepSpeed's CPU shared-memory op (once, about 40 s)"
-  "$venv/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 \
-    || echo "(DeepSpeed's shared-memory op did not compile here: the first DeepSpeed training tries again and says why)"
+  build_op=("$venv/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()")
+  if [ "${VLM_ASSETS_OP_BUILD:-}" = background ]; then
+    echo "== compiling DeepSpeed's CPU shared-memory op in the background (once, about 40 s)"
+    ("${build_op[@]}" >/dev/null 2>&1 &)
+  else
+    echo "== compiling DeepSpeed's CPU shared-memory op (once, about 40 s)"
+    "${build_op[@]}" >/dev/null 2>&1 \
+      || echo "(DeepSpeed's shared-memory op did not compile here: the first DeepSpeed training tries again and says why)"
+  fi
 fi

@@ -27,6 +27,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["VLM_ASSETS_PROFILE"] = "seed"
 
 
+def pytest_collection_modifyitems(items):
+    """The modules that use the k8s testbed run last, each whole (its module fixtures are built once):
+    on a fresh machine scripts/test.sh builds the testbed (minutes of Go, at the lowest CPU priority)
+    beside the other tests, and the control plane, once started, runs until the session ends."""
+    k8s = {item.path for item in items if "k8s_testbed" in item.fixturenames or item.get_closest_marker("k8s")}
+    items.sort(key=lambda item: item.path in k8s)
+
+
 @pytest.fixture(scope="session")
 def offline_data() -> Path:
     """The real data of ../shared/OFFLINE-DATA.md, fetched by scripts/fetch-offline-data.sh."""

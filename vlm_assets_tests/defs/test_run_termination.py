@@ -96,7 +96,7 @@ class Dev:
         return [r.info.status for r in runs]
 
 
-@pytest.fixture(scope="module", params=["local", "k8s"])
+@pytest.fixture(scope="module", params=["local", pytest.param("k8s", marks=pytest.mark.k8s)])
 def dev(request, tmp_path_factory, offline_data):
     tmp_path = tmp_path_factory.mktemp("dev")
     (tmp_path / "dagster").mkdir()
