@@ -27,6 +27,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["VLM_ASSETS_PROFILE"] = "seed"
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """VLM_TESTS_FAIL_ON_SKIP=1 (scripts/gpu-check.sh, scripts/test.sh's gpu pass): a skipped test fails
+    the run, so that a kit that could not run a test never reads as green."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter else []
+    if os.environ.get("VLM_TESTS_FAIL_ON_SKIP") == "1" and skipped and session.exitstatus == 0:
+        reporter.write_line(f"VLM_TESTS_FAIL_ON_SKIP: {len(skipped)} test(s) skipped, which fails this run", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_collection_modifyitems(items):
     """The modules that use the k8s testbed run last, each whole (its module fixtures are built once):
     on a fresh machine scripts/test.sh builds the testbed (minutes of Go, at the lowest CPU priority)

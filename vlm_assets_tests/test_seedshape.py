@@ -136,7 +136,7 @@ def test_gpt_124m_shape_at_tiny_width_under_fsdp2(seed_root, tokens_config):
     assert checkpoint["world_size"] == 2 and checkpoint["steps"] == 2
     hf = json.loads((Path(checkpoint["uri"]) / "hf" / "config.json").read_text())
     assert (hf["n_layer"], hf["n_head"], hf["n_embd"], hf["n_positions"]) == (12, 12, 48, 1024)
-    assert checkpoint["strategy"] == "fsdp2" and checkpoint["precision"] == "32-true"  # bf16-mixed on GPUs
+    assert (checkpoint["strategy"], checkpoint["precision"], checkpoint["backend"]) == ("fsdp2", "32-true", "gloo")
 
 
 def fashion_mnist(offline_data: Path, num_train: int, num_validation: int) -> dict:
@@ -171,7 +171,7 @@ def test_adapter_on_a_qwen2_5_vl_directory_under_deepspeed_zero2(tmp_path, offli
     result = env.materialize({"ops": {**manifests, "occlusion_adapter": {"config": adapter}}})
     trained = meta(result, "occlusion_adapter")
     assert trained["epochs"] == 1 and trained["world_size"] == 2
-    assert (trained["strategy"], trained["precision"]) == ("deepspeed", "32-true")  # bf16-mixed on GPUs
+    assert (trained["strategy"], trained["precision"], trained["backend"]) == ("deepspeed", "32-true", "gloo")
     assert all(checks_of(result, "occlusion_adapter").values())
 
 

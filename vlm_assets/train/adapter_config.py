@@ -79,6 +79,12 @@ class AdapterTrainConfig(RunConfig):
         ),
     )
 
+    def resolved_strategy(self, cuda: bool) -> Literal["ddp", "deepspeed"]:
+        """The strategy that runs: ``auto`` is DeepSpeed ZeRO-2 on GPUs, DDP on CPU."""
+        if self.strategy == "auto":
+            return "deepspeed" if cuda else "ddp"
+        return self.strategy
+
     @model_validator(mode="after")
     def _warmup_within_epochs(self) -> "AdapterTrainConfig":
         if self.reconstruction_warmup_epochs > self.epochs:

@@ -27,7 +27,7 @@ from vlm_assets.storage import store_from_spec
 from vlm_assets.train.adapter_config import AdapterTrainConfig
 from vlm_assets.train.adapter_module import AdapterModule
 from vlm_assets.train.checkpoints import CHECKPOINT_FILE, CHECKPOINT_NAME, StoreCheckpointIO, latest_checkpoint
-from vlm_assets.train.reporting import Reporter, quiet_lightning
+from vlm_assets.train.reporting import Reporter, process_group_backend, quiet_lightning
 from vlm_assets.train.run_config import RunPaths, read_run_file
 
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
@@ -106,8 +106,7 @@ def build_trainer(config: AdapterTrainConfig, callbacks, loggers, checkpoint_io:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
-    strategy = config.strategy if config.strategy != "auto" else ("deepspeed" if cuda else "ddp")
-    if strategy == "deepspeed":
+    if config.resolved_strategy(cuda) == "deepspeed":
         strategy_obj = _store_deepspeed_strategy(checkpoint_io)
     else:
         from lightning.pytorch.strategies import DDPStrategy
@@ -244,9 +243,10 @@ def train(config: AdapterTrainConfig, paths: RunPaths, rank: int, reporter: Repo
                 **{k.replace("/", "_"): v for k, v in last.items()},
                 "gate": float(module.adapter.gate.detach()),
                 "epochs": config.epochs,
-                "strategy": "deepspeed" if "DeepSpeed" in type(trainer.strategy).__name__ else "ddp",
+                "strategy": config.resolved_strategy(torch.cuda.is_available()),
                 "world_size": trainer.world_size,
                 "precision": trainer.precision,
+                "backend": process_group_backend(),
                 "resumed_from_epoch": -1 if history.resumed_from_epoch is None else history.resumed_from_epoch,
             }
         )

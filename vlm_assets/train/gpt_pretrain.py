@@ -30,7 +30,7 @@ from vlm_assets.storage import store_from_spec
 from vlm_assets.train.checkpoints import CHECKPOINT_FILE, StepCheckpoint, StoreCheckpointIO, latest_checkpoint, step_key
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.gpt_module import GPTPretrainModule, TokenDataModule
-from vlm_assets.train.reporting import Reporter, TrainingHistory, quiet_lightning
+from vlm_assets.train.reporting import Reporter, TrainingHistory, process_group_backend, quiet_lightning
 from vlm_assets.train.run_config import RunPaths, read_run_file
 
 REFERENCE_SAMPLES = 8
@@ -150,6 +150,7 @@ def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, report
                 "world_size": world,
                 "strategy": config.strategy,
                 "precision": trainer.precision,
+                "backend": process_group_backend(),
                 "checkpoint": final[0],
             }
         )

@@ -29,6 +29,14 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
+def process_group_backend() -> str:
+    """The backend of this process's default group ("nccl", "gloo"), or "none" without one (a single
+    process): read from torch.distributed, so that metadata and tests say what really ran."""
+    import torch.distributed as dist
+
+    return dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+
+
 MAX_LOG_PPL_LOSS = 20.0  # perplexity = exp(min(loss, 20)): finite in the first steps
 
 

@@ -33,7 +33,7 @@ from vlm_assets.models.visualchat import VisualChatModel, decoder_positions
 from vlm_assets.models.visualchat_attention import attention_layout
 from vlm_assets.storage import store_from_spec
 from vlm_assets.train.checkpoints import StoreCheckpointIO, latest_checkpoint
-from vlm_assets.train.reporting import Reporter
+from vlm_assets.train.reporting import Reporter, process_group_backend
 from vlm_assets.train.run_config import RunPaths, read_run_file
 from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfig
 
@@ -252,6 +252,8 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
             "train_loss": state["history"][-1]["loss"],
             "trainable_parameters": trainable,
             "resumed_from_step": -1 if state["resumed_from_step"] is None else state["resumed_from_step"],
+            "backend": process_group_backend(),
+            "param_dtype": str(next(engine.module.parameters()).dtype).removeprefix("torch."),
         },
         state["history"],
     )

@@ -85,6 +85,7 @@ def test_two_nodes_ddp_trains_well_below_uniform(ddp_run, mlflow_uri):
     assert result.success and meta["cache"] == "miss"
     assert checks == {"val_loss_beats_uniform": True, "export_reproduces_val_loss": True}
     assert meta["steps"] == MAX_STEPS and meta["world_size"] == 2 and meta["resumed_from_step"] == -1
+    assert (meta["precision"], meta["backend"]) == ("32-true", "gloo")  # bf16-mixed and nccl in the GPU twin
     assert meta["val_loss"] < UNIFORM - 2.5, meta["val_loss"]
     assert meta["tokens_seen"] == MAX_STEPS * 8 * 64 and meta["tokens_per_s"] > 0
     assert [p["step"] for p in history["train"]] == list(range(1, MAX_STEPS + 1))

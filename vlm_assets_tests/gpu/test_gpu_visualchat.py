@@ -22,7 +22,9 @@ def test_visualchat_deepspeed_bf16(stage, visualchat_inputs, tmp_path):
         global_batch_size=4 if 4 % GPUS == 0 else GPUS,
     )
     result = visualchat_cpu.train(visualchat_inputs, tmp_path, config)
-    visualchat_cpu.check_trained_and_exported(result, tmp_path / "out", visualchat_inputs)
+    visualchat_cpu.check_trained_and_exported(
+        result, tmp_path / "out", visualchat_inputs, backend="nccl", param_dtype="bfloat16"
+    )
 
 
 @pytest.fixture(scope="module")
