@@ -19,6 +19,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
@@ -107,10 +108,9 @@ def build_trainer(config: AdapterTrainConfig, callbacks, loggers, checkpoint_io:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
     if config.resolved_strategy(cuda) == "deepspeed":
-        strategy_obj = _store_deepspeed_strategy(checkpoint_io)
+        deepspeed = StoreDeepSpeedStrategy if cuda else CPUStoreDeepSpeedStrategy
+        strategy_obj = deepspeed(checkpoint_io, stage=2, exclude_frozen_parameters=True)
     else:
-        from lightning.pytorch.strategies import DDPStrategy
-
         strategy_obj = DDPStrategy(process_group_backend="nccl" if cuda else "gloo", checkpoint_io=checkpoint_io)
     return L.Trainer(
         accelerator="gpu" if cuda else "cpu",
@@ -130,57 +130,50 @@ def build_trainer(config: AdapterTrainConfig, callbacks, loggers, checkpoint_io:
     )
 
 
-def _store_deepspeed_strategy(checkpoint_io: StoreCheckpointIO):
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+class StoreDeepSpeedStrategy(DeepSpeedStrategy):
+    """DeepSpeed writes its checkpoints itself (a directory every rank writes its shards into), never
+    through a ``CheckpointIO``: the directory is committed the same way once all ranks have written it."""
 
-    class StoreDeepSpeedStrategy(DeepSpeedStrategy):
-        """DeepSpeed writes its checkpoints itself (a directory every rank writes its shards into),
-        never through a ``CheckpointIO``: the directory is committed the same way once all ranks
-        have written it."""
+    def __init__(self, checkpoint_io: StoreCheckpointIO, **kwargs):
+        super().__init__(**kwargs)
+        self.committer = checkpoint_io
 
-        # Lightning refuses any accelerator but CUDA in these two (a check, and GPU indices per rank),
-        # while DeepSpeed itself runs ZeRO on CPU (DS_ACCELERATOR=cpu, gloo): the seed's GPU path runs
-        # on CPU in CI this way (test_seedshape.py), the rest of the strategy unchanged.
-        def setup_environment(self) -> None:
-            if torch.cuda.is_available():
-                return super().setup_environment()
-            DDPStrategy.setup_environment(self)  # the device, then setup_distributed below
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        local = Path(self.broadcast(str(Path(filepath).with_suffix(""))))
+        super().save_checkpoint(checkpoint, local / CHECKPOINT_FILE, storage_options)
+        self.barrier("deepspeed checkpoint written")
+        if self.is_global_zero:
+            self.committer.commit(local, checkpoint["global_step"], checkpoint["epoch"])
 
-        def setup_distributed(self) -> None:
-            if torch.cuda.is_available():
-                return super().setup_distributed()
-            from lightning.fabric.utilities.seed import reset_seed
 
-            reset_seed()
-            self.set_world_ranks()
-            self._init_deepspeed_distributed()
+class CPUStoreDeepSpeedStrategy(StoreDeepSpeedStrategy):
+    """The same on CPU (DS_ACCELERATOR=cpu, gloo), as CI runs the seed's GPU path (test_seedshape.py).
+    Lightning refuses any accelerator but CUDA in its set-up (a check, and GPU indices per rank), while
+    DeepSpeed itself runs ZeRO on CPU: these three steps do what Lightning's do, minus the CUDA parts."""
 
-        def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
-            if torch.cuda.is_available():
-                return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
-            import argparse
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)  # the device, then setup_distributed below
 
-            import deepspeed
+    def setup_distributed(self) -> None:
+        from lightning.fabric.utilities.seed import reset_seed
 
-            engine, optimizer, _, _ = deepspeed.initialize(  # Lightning passes the device's index: None on CPU
-                args=argparse.Namespace(device_rank=self.local_rank),
-                config=self.config,
-                model=model,
-                model_parameters=[p for p in model.parameters() if p.requires_grad],
-                optimizer=optimizer,
-                lr_scheduler=lr_scheduler,
-                dist_init_required=False,
-            )
-            return engine, optimizer
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
 
-        def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-            local = Path(self.broadcast(str(Path(filepath).with_suffix(""))))
-            super().save_checkpoint(checkpoint, local / CHECKPOINT_FILE, storage_options)
-            self.barrier("deepspeed checkpoint written")
-            if self.is_global_zero:
-                checkpoint_io.commit(local, checkpoint["global_step"], checkpoint["epoch"])
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        import deepspeed
 
-    return StoreDeepSpeedStrategy(stage=2, exclude_frozen_parameters=True)
+        engine, optimizer, _, _ = deepspeed.initialize(  # Lightning passes the device's index: None on CPU
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, optimizer
 
 
 def main(argv: list[str] | None = None) -> None:
