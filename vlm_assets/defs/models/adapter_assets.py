@@ -196,7 +196,7 @@ def occlusion_adapter(
             metadata={
                 "backbone": backbone,
                 "partial": partial,
-                **{k: values[k] for k in ("strategy", "precision") if k in values},  # a partial has none
+                **{k: values[k] for k in ("strategy", "precision", "backend") if k in values},  # a partial has none
             },
             scan=weights_scan(staging),
         )

@@ -144,6 +144,7 @@ def gpt_checkpoint(
                 "checkpoint_key": values["checkpoint"],
                 "strategy": values["strategy"],
                 "precision": values["precision"],
+                "backend": values["backend"],
                 "vocab_size": vocab,
             },
             markdown={"loss_curve": f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"},

@@ -160,7 +160,10 @@ def visualchat_model(
         )
         return Built(
             metrics=numbers(values),
-            metadata={"decoder": inputs.get("decoder", config.decoder)},
+            metadata={
+                "decoder": inputs.get("decoder", config.decoder),
+                **{k: values[k] for k in ("backend", "param_dtype")},
+            },
             markdown=report_markdown(staging, run, config),
         )
 
