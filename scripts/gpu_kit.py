@@ -21,13 +21,16 @@ DeepSpeed, benches), which import no dagster.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -257,15 +260,32 @@ def run_part(part: Part, out: Path, root: Path = CARRY) -> int:
     else:
         command = [sys.executable, *part.command]
     with open(out / f"{part.name}.txt", "w") as log:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            print(line, end="")
-            log.write(line)
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        overran = threading.Event()
+
+        def overrun():  # the part's whole process group: a torchrun agent and its workers too
+            overran.set()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+        timer = threading.Timer(part.budget_s, overrun)
+        timer.start()
         try:
-            return proc.wait(timeout=part.budget_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return 124
+            for line in proc.stdout:
+                print(line, end="")
+                log.write(line)
+            code = proc.wait()
+        finally:
+            timer.cancel()
+        return 124 if overran.is_set() else code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,26 @@ import vlm_assets.train.visualchat_train, vlm_assets.train.adapter_train, vlm_as
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_part_past_its_budget_is_stopped_with_its_children(tmp_path):
+    kit = gpu_kit()
+    code = "import subprocess, time; print(subprocess.Popen(['sleep', '60']).pid, flush=True); time.sleep(60)"
+    started = time.monotonic()
+    assert kit.run_part(kit.Part("hangs", 1, 2, ("-c", code), ""), tmp_path) == 124
+    assert time.monotonic() - started < 30
+    child = int((tmp_path / "hangs.txt").read_text().split()[0])
+
+    def gone() -> bool:  # exited (a zombie until init reaps it), or reaped
+        try:
+            return Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+        except FileNotFoundError:
+            return True
+
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(), f"the part's child {child} outlived it"
 
 
 @pytest.mark.parametrize("fail_on_skip, expected", [("1", 1), ("", 0)])
