@@ -13,6 +13,21 @@ from typing import Any
 
 WEIGHTS_TAG = "weights_sha256"
 
+# What a registered pyfunc imports when it is loaded to serve (its code and vlm_assets' own modules).
+SERVING_PACKAGES = ("vlm-assets", "mlflow", "torch", "transformers", "numpy", "pandas", "pillow")
+
+
+def serving_requirements() -> list[str]:
+    """The pinned pip requirements of a registered pyfunc, from this environment's installed versions.
+
+    Written out, not left to MLflow's inference: inference loads the model in a subprocess to see
+    what it imports (10 s a model on the 2-core machine, twice in the demo) and then lists
+    scikit-learn and scipy, which the models never import, while leaving torch to vlm-assets'
+    metadata."""
+    from importlib.metadata import version
+
+    return [f"{name}=={version(name)}" for name in SERVING_PACKAGES]
+
 
 @dataclasses.dataclass(frozen=True)
 class Registration:

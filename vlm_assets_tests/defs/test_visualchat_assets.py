@@ -7,16 +7,19 @@ where it was, and bad input fails at once naming the file, line or field. The de
 
 import json
 import re
+from importlib.metadata import version
 from pathlib import Path
 
 import dagster as dg
 import mlflow
 import pandas as pd
 import pytest
+import torch
 
 from vlm_assets.defs.data.occlusion_assets import occlusion_manifests
 from vlm_assets.defs.models.visualchat_assets import registered_visualchat, visualchat_model
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
+from vlm_assets.models.registry import SERVING_PACKAGES
 from vlm_assets_tests.conftest import IsolatedEnv, checks_of
 from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
 
@@ -128,6 +131,11 @@ def test_the_registered_model_answers_through_mlflow_and_the_chat_cli(pipeline, 
     assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
     directory = resolve_model("models:/visualchat@champion")
     assert (directory / "visualchat.json").is_file() and (directory / "decoder" / "config.json").is_file()
+    # the requirements are the pins written at registration, not MLflow's inference (which adds scikit-learn)
+    requirements = Path(mlflow.pyfunc.get_model_dependencies("models:/visualchat@champion")).read_text().split()
+    pinned = {line.split("==")[0]: line.split("==")[1] for line in requirements}
+    assert sorted(pinned) == sorted(SERVING_PACKAGES), requirements
+    assert pinned["torch"] == torch.__version__ and pinned["vlm-assets"] == version("vlm-assets")
 
 
 def test_the_chat_cli_the_registered_pyfunc_and_the_eval_answer_a_png_file_alike(pipeline, offline_data, tmp_path):

@@ -14,6 +14,7 @@ from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun, register_champion
 from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
+from vlm_assets.models.registry import serving_requirements
 from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.run_config import run_section
 
@@ -257,6 +258,7 @@ def log_adapter_model(run: TrackedRun, root: Path, tracking_uri: str):
             python_model=str(Path(adapter_pyfunc.__file__).with_name("adapter_model.py")),
             signature=signature,
             input_example=example,
+            pip_requirements=serving_requirements(),
             artifacts={"adapter": str(root / "adapter.safetensors"), "backbone": str(root / "backbone.json")},
         )
     return logged

@@ -22,6 +22,7 @@ from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun, register_champion
 from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
+from vlm_assets.models.registry import serving_requirements
 from vlm_assets.paths import require_local
 from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.run_config import run_section
@@ -264,5 +265,6 @@ def log_visualchat_model(run: TrackedRun, root: Path, tracking_uri: str):
             python_model=str(Path(visualchat_pyfunc.__file__).with_name("visualchat_model_code.py")),
             signature=signature,
             input_example=example,
+            pip_requirements=serving_requirements(),
             artifacts={"model": str(root / "model")},
         )
