@@ -43,6 +43,12 @@ RULES = {
             True,
             "the artifact store or the tracking server is unreachable or answers 5xx past its client's own retries",
         ),
+        Rule(
+            "disk_full",
+            True,
+            "a write runs out of space or quota (`DiskFullError` naming the disk, or errno 28): its partial "
+            "checkpoint is removed, and a retry resumes from the last committed one",
+        ),
         Rule("canceled", False, "its run is terminated (the UI's Terminate): the launch stops its workers or pods"),
         Rule("error", False, "any other non-zero exit: a config or code error (exit 1 with a traceback, 2, ...)"),
     )
@@ -51,6 +57,7 @@ RULES = {
 _SIGNALS = {-9, -15, 128 + 9, 128 + 15}
 # The last lines name the error: torchrun's own, the collective backends', the storage clients'.
 _PATTERNS = (
+    ("disk_full", re.compile(r"DiskFullError|No space left on device|Disk quota exceeded", re.I)),
     ("rendezvous", re.compile(r"Rendezvous(Timeout|Closed|Connection)Error|rendezvous .*(timed out|closed)", re.I)),
     (
         "collective",

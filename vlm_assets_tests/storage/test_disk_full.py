@@ -1,0 +1,100 @@
+"""A full disk during a checkpoint write, on a real 1 MiB tmpfs (mounted in a private mount namespace by
+`unshare`, so nothing outside the test sees it): the error names what was written, where, and the file
+system; nothing partial is left behind; the retry rule reads it as `disk_full` from the traceback."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from vlm_assets.launch.retry import rule_for
+
+PROBE = textwrap.dedent(
+    """
+    import json, sys, traceback
+    from pathlib import Path
+    import torch
+    from vlm_assets.storage import LocalArtifactStore
+    from vlm_assets.storage.disk import DiskFullError, space_checked
+    from vlm_assets.train.checkpoints import StoreCheckpointIO
+
+    small, big = Path(sys.argv[1]), Path(sys.argv[2])
+    weights = {"w": torch.randn(1 << 20)}  # 4 MiB: more than the whole file system
+    out = {}
+
+    # 1. Lightning's checkpoint IO (GPT, the adapter): Python's write raises errno 28, without a path.
+    store = LocalArtifactStore(big / "store")
+    io = StoreCheckpointIO(store, "ckpt", keep_last=2, log=print)
+    try:
+        io.save_checkpoint({"state_dict": weights, "global_step": 20, "epoch": 0}, small / "step-00000020.ckpt")
+    except DiskFullError as err:
+        out["lightning"] = str(err)
+        out["lightning_tail"] = traceback.format_exc().splitlines()
+    out["left_on_small"] = sorted(p.name for p in small.iterdir())
+    out["committed"] = store.list_complete("ckpt")
+
+    # 2. torch.save onto a path (DeepSpeed's checkpoints): a RuntimeError with no errno at all.
+    try:
+        with space_checked(small / "ds", "checkpoint step 30"):
+            (small / "ds").mkdir()
+            torch.save(weights, small / "ds" / "model_states.pt")
+    except DiskFullError as err:
+        out["torch"] = str(err)
+        out["torch_cause"] = type(err.__cause__).__name__
+    for leftover in small.rglob("*"):
+        leftover.unlink() if leftover.is_file() else None
+
+    # 3. A local store on the full disk, committing a directory built elsewhere (copied, then renamed).
+    (big / "built").mkdir()
+    torch.save(weights, big / "built" / "weights.pt")
+    small_store = LocalArtifactStore(small / "store")
+    try:
+        small_store.commit("model/abc", big / "built", metadata={})
+    except DiskFullError as err:
+        out["store"] = str(err)
+    out["store_staging"] = sorted(p.name for p in (small / "store" / ".staging").iterdir())
+    out["store_complete"] = small_store.exists("model/abc")
+    print(json.dumps(out))
+    """
+)
+
+
+def test_a_full_disk_names_the_write_and_the_disk_and_leaves_nothing_partial(tmp_path):
+    small, big = tmp_path / "small", tmp_path / "big"
+    small.mkdir()
+    big.mkdir()
+    script = f'mount -t tmpfs -o size=1m vlm-full "{small}" && exec "{sys.executable}" -c "$0" "{small}" "{big}"'
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    mount = f"on the file system mounted at {small} "
+    assert out["lightning"].startswith(f"[Errno 28] no space left on device writing checkpoint step 20 to {small}")
+    assert mount in out["lightning"] and "free of 1.0 MiB" in out["lightning"], out["lightning"]
+    assert out["left_on_small"] == [] and out["committed"] == []  # the partial staging directory is gone
+    rule = rule_for(cause=None, exit_code=1, worker_exit_code=1, tail=out["lightning_tail"])
+    assert (rule.cause, rule.retry) == ("disk_full", True)
+
+    assert out["torch_cause"] == "RuntimeError", out
+    assert out["torch"].startswith(f"[Errno 28] no space left on device writing checkpoint step 30 to {small}/ds")
+    assert mount in out["torch"], out["torch"]
+
+    assert "writing artifact model/abc" in out["store"] and mount in out["store"], out["store"]
+    assert out["store_staging"] == [] and out["store_complete"] is False
+
+
+def test_an_error_that_is_not_about_space_passes_through(tmp_path):
+    from vlm_assets.storage.disk import space_checked
+
+    # tmp_path's disk has room: a RuntimeError there is not about space
+    with pytest.raises(RuntimeError, match="not a disk problem"), space_checked(tmp_path, "checkpoint step 1"):
+        raise RuntimeError("not a disk problem")
+    with pytest.raises(PermissionError), space_checked(tmp_path, "checkpoint step 1"):
+        raise PermissionError(13, "Permission denied")
