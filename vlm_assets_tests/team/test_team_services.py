@@ -201,8 +201,9 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
     and a shorter one of another seed (another key). Both run (the queue allows 4), both succeed, and
     their training steps never overlap (pool vlm_training, limit 1). The MLflow server is stopped and
     restarted while the first trains: the MLflow client's retries carry the metrics over the gap, and
-    its loss curve reaches S3 through the server's artifact proxy. Then main_schedule (every minute
-    here, running gpt_job) ticks under the daemon: its run is a cache hit and trains nothing.
+    its loss curve reaches S3 through the server's artifact proxy. Meanwhile main_schedule (every minute
+    here, running gpt_job) ticks under the daemon: its run waits for the pool and is a cache hit of the
+    first run's key: it trains nothing.
     (main_job on the demo profile, registration included, is test_main_job's: on this deployment it
     would train the same models a second time in the suite.)"""
     import dagster as dg
@@ -239,6 +240,18 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
     _wait(main_gpt_checkpointed, 900, "the first gpt_job to commit a checkpoint", every=1)
     assert team.status(main) == "STARTED", team.failure(main)
     _restart(team, "mlflow")
+    # main_schedule ticks while the first run still trains (its tick waits for a minute boundary: not
+    # idle time of its own); the scheduled run's gpt_checkpoint waits for the pool behind it.
+    assert team.run("schedule", "start", "main_schedule", "-w", "workspace.yaml").returncode == 0
+    try:
+
+        def scheduled_run():
+            runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/schedule_name": "main_schedule"}))
+            return runs[0].run_id if runs else None
+
+        scheduled = _wait(scheduled_run, 150, "a tick of main_schedule to launch a run", every=2)
+    finally:
+        assert team.run("schedule", "stop", "main_schedule", "-w", "workspace.yaml").returncode == 0
     assert [team.wait_for_end(r, 900) for r in (main, other)] == ["SUCCESS", "SUCCESS"], [
         team.failure(r) for r in (main, other)
     ]
@@ -272,16 +285,6 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
     stored = s3.list_objects_v2(Bucket=team.env["VLM_ASSETS_S3_BUCKET"], Prefix="mlflow/")
     assert any(o["Key"].endswith(f"{gpt[0].info.run_id}/artifacts/loss_curve.png") for o in stored.get("Contents", []))
 
-    assert team.run("schedule", "start", "main_schedule", "-w", "workspace.yaml").returncode == 0
-    try:
-
-        def scheduled_run():
-            runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/schedule_name": "main_schedule"}))
-            return runs[0].run_id if runs else None
-
-        scheduled = _wait(scheduled_run, 150, "a tick of main_schedule to launch a run", every=2)
-    finally:
-        assert team.run("schedule", "stop", "main_schedule", "-w", "workspace.yaml").returncode == 0
     assert instance.get_run_by_id(scheduled).job_name == "gpt_job"
     assert team.wait_for_end(scheduled, 600) == "SUCCESS", team.failure(scheduled)
     events = instance.get_records_for_run(scheduled, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION).records
