@@ -7,9 +7,12 @@ One uninterrupted reference run, then ``--runs`` materializations of the same co
 fresh prefix of a real S3 server (moto, on loopback) behind a fault proxy, through the real launcher
 (2 torchrun nodes of 1 process) and Dagster's RetryPolicy. Each run gets 1 or 2 faults from a
 schedule drawn from ``--seed``, each fired once a checkpoint at or past a drawn step is committed:
-a SIGKILL of a training worker or of a torchrun agent, or the S3 server answering 500 or dropping the
+a SIGKILL of a training worker or of a torchrun agent, the S3 server answering 500 or dropping the
 connection for the next 1-8 writes (a checkpoint's or the final commit's; boto3 retries 4 times on its
-own, so a longer outage reaches the retry rule). A reader polls the store all along.
+own, so a longer outage reaches the retry rule), or the run's scratch disk filled up until the attempt
+that meets it has ended (its next checkpoint write fails: the retry rule's ``disk_full``). Each run's
+scratch (``runs/``, where checkpoints are staged) is a 256 MiB tmpfs: the soak runs itself in a private
+mount namespace (``unshare``), so nothing outside it sees the mounts. A reader polls the store all along.
 
 More faults than the RetryPolicy's 2 retries fail the run: the soak then runs the same key again, as
 a user or the schedule would, up to twice (a relaunch, counted as a retry).
@@ -40,7 +43,31 @@ import time
 from pathlib import Path
 
 MODULE = "vlm_assets.train.gpt_pretrain"
-KINDS = ("worker", "agent", "s3-500", "s3-drop")
+KINDS = ("worker", "agent", "s3-500", "s3-drop", "disk-full")
+SCRATCH_MIB = 256  # each run's scratch tmpfs: room for a few tiny-GPT checkpoints being staged
+IN_NAMESPACE = "VLM_SOAK_MOUNT_NAMESPACE"
+
+
+def in_private_mounts(argv: list[str]) -> int | None:
+    """Run this soak again inside a private mount namespace (a user namespace mapping this user to
+    root where it is not root already), where it may mount tmpfs scratch that nothing outside sees and
+    that vanishes with it; its exit status. None when already inside."""
+    if os.environ.get(IN_NAMESPACE):
+        return None
+    unshare = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
+    return subprocess.call([*unshare, sys.executable, __file__, *argv], env={**os.environ, IN_NAMESPACE: "1"})
+
+
+def fill(directory: Path) -> Path:
+    """A ballast file that takes every free byte of ``directory``'s file system."""
+    ballast = directory / ".ballast"
+    with open(ballast, "wb") as f:
+        chunk = b"\0" * (1 << 20)
+        with contextlib.suppress(OSError):  # ENOSPC: full
+            while True:
+                f.write(chunk)
+                f.flush()
+    return ballast
 
 
 def free_port() -> int:
@@ -117,6 +144,7 @@ class Fault:
     kind: str
     after_step: int  # fired once a checkpoint at or past this step is committed
     size: int = 0  # S3 faults: how many writes fail
+    victims: tuple[int, ...] = ()  # disk-full: the workers that must end before the space comes back
     fired_at: int | None = None  # the last committed checkpoint step when it fired
     note: str = ""
 
@@ -132,6 +160,22 @@ def draw_schedule(rng: random.Random, steps: list[int]) -> list[Fault]:
             step = steps[-1]
         faults.append(Fault(kind, step, rng.randint(1, 8) if kind.startswith("s3") else 0))
     return faults
+
+
+def failure_causes(result) -> list[str]:
+    """The retry rule's cause of each failed attempt of ``gpt_checkpoint`` in a Dagster run, in order
+    (the launcher's failure ends with ``(<cause>: retried; ...)``)."""
+    import re
+
+    causes = []
+    for event in result.all_events:
+        if event.step_key == "gpt_checkpoint" and event.event_type_value in ("STEP_UP_FOR_RETRY", "STEP_FAILURE"):
+            data = event.event_specific_data
+            error = getattr(data, "error", None)
+            text = error.to_string() if error is not None else ""
+            found = re.findall(r"\((\w+): (?:retried|not retried);", text)
+            causes.append(found[-1] if found else "other")
+    return causes
 
 
 def processes(marker: str) -> dict[str, list[int]]:
@@ -210,6 +254,10 @@ class Soak:
         from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 
         home = self.root / name
+        scratch = home / "runs"  # VLM_ASSETS_HOME/runs: each launch's scratch, checkpoints staged there
+        scratch.mkdir(parents=True)
+        mount = ["mount", "-t", "tmpfs", "-o", f"size={SCRATCH_MIB}m", "vlm-soak-scratch", str(scratch)]
+        subprocess.run(mount, check=True)
         prefix = f"{name}-{os.getpid()}"
         mlflow_uri = f"sqlite:///{self.root / 'mlflow.db'}"
         store = S3ArtifactStoreResource(
@@ -247,8 +295,13 @@ class Soak:
             return keys
 
         def watch():  # the reader and the fault schedule
-            pending = list(faults)
+            from vlm_assets.launch.local import alive
+
+            pending, ballast = list(faults), None
             while not stop.is_set():
+                if ballast and not any(alive(pid) for pid in ballast[1].victims):
+                    ballast[0].unlink()  # the attempt that met the full disk has ended: space is back
+                    ballast = None
                 with contextlib.suppress(Exception):  # a key deleted by keep_last between list and read
                     for prefix_ in ("gpt_checkpoint", "token_shards"):
                         for key in reader.list_complete(prefix_):
@@ -265,6 +318,12 @@ class Soak:
                     fault.fired_at = steps[-1]
                     if fault.kind.startswith("s3"):
                         self.proxy.arm(fault.kind, fault.size)
+                    elif fault.kind == "disk-full":
+                        fault.victims = tuple(processes(str(home))["worker"])
+                        if fault.victims:
+                            ballast = (fill(scratch), fault)
+                        else:
+                            fault.note = "no attempt running"
                     else:
                         pids = processes(str(home))[fault.kind]
                         if pids:
@@ -280,7 +339,7 @@ class Soak:
         try:
             # More faults than the RetryPolicy's 2 retries fail the run; the next run of the same key
             # (a user's, a schedule's) must then resume: the soak relaunches it, up to twice.
-            retries, relaunches, run_ids, count = 0, 0, [], 0
+            retries, relaunches, run_ids, count, causes = 0, 0, [], 0, []
             while True:
                 with dg.instance_for_test() as instance:
                     result = dg.materialize(
@@ -291,6 +350,7 @@ class Soak:
                         raise_on_error=False,
                     )
                 retries += len([e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"])
+                causes += failure_causes(result)
                 materializations = result.asset_materializations_for_node("gpt_checkpoint")
                 run_ids.append(result.run_id)
                 count += len(materializations)
@@ -302,6 +362,7 @@ class Soak:
             stop.set()
             watcher.join()
             self.proxy.arm(None, 0)
+            (scratch / ".ballast").unlink(missing_ok=True)
         seconds = time.monotonic() - started
         meta = {k: getattr(v, "value", v) for k, v in materializations[0].metadata.items()} if materializations else {}
 
@@ -348,6 +409,7 @@ class Soak:
             "faults": [dataclasses.asdict(f) for f in faults],
             "retries": retries,
             "relaunches": relaunches,
+            "causes": causes,
             "resumed_from_step": meta.get("resumed_from_step"),
             "val_loss": meta.get("val_loss"),
             "key": keys[0] if keys else None,
@@ -392,6 +454,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if (status := in_private_mounts(sys.argv[1:] if argv is None else argv)) is not None:
+        return status
     args.out = args.out or tempfile.mkdtemp(prefix="vlm-soak-")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
