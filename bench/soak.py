@@ -9,8 +9,9 @@ fresh prefix of a real S3 server (moto, on loopback) behind a fault proxy, throu
 schedule drawn from ``--seed``, each fired once a checkpoint at or past a drawn step is committed:
 a SIGKILL of a training worker or of a torchrun agent, the S3 server answering 500 or dropping the
 connection for the next 1-8 writes (a checkpoint's or the final commit's; boto3 retries 4 times on its
-own, so a longer outage reaches the retry rule), or the run's scratch disk filled up until the attempt
-that meets it has ended (its next checkpoint write fails: the retry rule's ``disk_full``). Each run's
+own, so a longer outage reaches the retry rule), the run's scratch disk filled up until the attempt
+that meets it has ended (its next checkpoint write fails: the retry rule's ``disk_full``), or the MLflow
+server (a real one, on loopback behind the same kind of proxy) refusing every request for 5-60 s. Each run's
 scratch (``runs/``, where checkpoints are staged) is a 256 MiB tmpfs: the soak runs itself in a private
 mount namespace (``unshare``), so nothing outside it sees the mounts. A reader polls the store all along.
 
@@ -43,7 +44,7 @@ import time
 from pathlib import Path
 
 MODULE = "vlm_assets.train.gpt_pretrain"
-KINDS = ("worker", "agent", "s3-500", "s3-drop", "disk-full")
+KINDS = ("worker", "agent", "s3-500", "s3-drop", "disk-full", "mlflow-down")
 SCRATCH_MIB = 256  # each run's scratch tmpfs: room for a few tiny-GPT checkpoints being staged
 IN_NAMESPACE = "VLM_SOAK_MOUNT_NAMESPACE"
 
@@ -77,12 +78,13 @@ def free_port() -> int:
 
 
 class FaultProxy:
-    """An HTTP proxy in front of the S3 server that fails the next N writes (not lease records) on
-    demand: a 500 with S3's InternalError body, or a connection closed without an answer."""
+    """An HTTP proxy in front of a server (S3's, MLflow's) that fails the next N writes (not lease
+    records) on demand: a 500 with S3's InternalError body, or a connection closed without an answer;
+    or, while it is down (``down_for``), closes every connection unanswered, as a stopped server would."""
 
     def __init__(self, upstream_port: int):
         self.lock = threading.Lock()
-        self.mode, self.left, self.injected = None, 0, 0
+        self.mode, self.left, self.injected, self.down_until = None, 0, 0, 0.0
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -93,6 +95,10 @@ class FaultProxy:
 
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if time.monotonic() < proxy.down_until:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 if self.command in ("PUT", "POST") and "/.leases/" not in self.path and proxy.take():
                     if proxy.mode == "s3-drop":
                         self.close_connection = True
@@ -126,6 +132,9 @@ class FaultProxy:
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def down_for(self, seconds: float) -> None:
+        self.down_until = time.monotonic() + seconds
+
     def arm(self, mode: str, count: int) -> None:
         with self.lock:
             self.mode, self.left = mode, count
@@ -143,7 +152,7 @@ class FaultProxy:
 class Fault:
     kind: str
     after_step: int  # fired once a checkpoint at or past this step is committed
-    size: int = 0  # S3 faults: how many writes fail
+    size: int = 0  # S3 faults: how many writes fail; mlflow-down: for how many seconds
     victims: tuple[int, ...] = ()  # disk-full: the workers that must end before the space comes back
     fired_at: int | None = None  # the last committed checkpoint step when it fired
     note: str = ""
@@ -158,7 +167,8 @@ def draw_schedule(rng: random.Random, steps: list[int]) -> list[Fault]:
         kind = rng.choice(KINDS)
         if kind.startswith("s3") and i == count - 1 and rng.random() < 0.5:
             step = steps[-1]
-        faults.append(Fault(kind, step, rng.randint(1, 8) if kind.startswith("s3") else 0))
+        size = rng.randint(1, 8) if kind.startswith("s3") else rng.randint(5, 60) if kind == "mlflow-down" else 0
+        faults.append(Fault(kind, step, size))
     return faults
 
 
@@ -185,26 +195,58 @@ def processes(marker: str) -> dict[str, list[int]]:
     return training_processes(MODULE, marker)
 
 
+def serve(command: list[str], port: int, what: str, log: Path) -> subprocess.Popen:
+    """Start a loopback server (dying with the soak: ``vlm_assets.launch.lifeline``); wait for its port."""
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "vlm_assets.launch.lifeline", "--exec", *command],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 180
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return server
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{what} did not start: {log}")
+        time.sleep(0.2)
+
+
 class Soak:
     def __init__(self, args):
         self.args = args
         self.root = Path(args.out)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.moto_port = free_port()
-        self.moto = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.moto_port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
         os.environ.update(AWS_ACCESS_KEY_ID="soak", AWS_SECRET_ACCESS_KEY="soak", AWS_DEFAULT_REGION="us-east-1")
-        deadline = time.monotonic() + 180
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.moto_port), timeout=1):
-                break
-            if self.moto.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the S3 server (moto) did not start")
-            time.sleep(0.2)
+        self.moto_port, self.mlflow_port = free_port(), free_port()
+        self.servers = [
+            serve(
+                ["-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.moto_port)],
+                self.moto_port,
+                "the S3 server (moto)",
+                self.root / "moto.log",
+            ),
+            serve(
+                [
+                    "-m",
+                    "mlflow",
+                    "server",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.mlflow_port),
+                    "--workers",
+                    "1",
+                    "--backend-store-uri",
+                    f"sqlite:///{self.root / 'mlflow.db'}",
+                ],
+                self.mlflow_port,
+                "the MLflow server",
+                self.root / "mlflow.log",
+            ),
+        ]
         self.proxy = FaultProxy(self.moto_port)
+        self.mlflow_proxy = FaultProxy(self.mlflow_port)
         # The token shards are streamed by MosaicML streaming, which finds S3 from the environment.
         proxied = f"http://127.0.0.1:{self.proxy.port}"
         os.environ.update(AWS_ENDPOINT_URL=proxied, S3_ENDPOINT_URL=proxied)
@@ -218,9 +260,11 @@ class Soak:
         return boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
 
     def close(self):
-        self.proxy.server.shutdown()
-        self.moto.terminate()
-        self.moto.wait(timeout=10)
+        for proxy in (self.proxy, self.mlflow_proxy):
+            proxy.server.shutdown()
+        for server in self.servers:
+            server.terminate()
+            server.wait(timeout=30)
 
     def run_config(self) -> dict:
         from vlm_assets.paths import offline_data_dir
@@ -259,7 +303,7 @@ class Soak:
         mount = ["mount", "-t", "tmpfs", "-o", f"size={SCRATCH_MIB}m", "vlm-soak-scratch", str(scratch)]
         subprocess.run(mount, check=True)
         prefix = f"{name}-{os.getpid()}"
-        mlflow_uri = f"sqlite:///{self.root / 'mlflow.db'}"
+        mlflow_uri = f"http://127.0.0.1:{self.mlflow_proxy.port}"  # what the runs use; the checks go direct
         store = S3ArtifactStoreResource(
             bucket="soak",
             prefix=prefix,
@@ -318,6 +362,8 @@ class Soak:
                     fault.fired_at = steps[-1]
                     if fault.kind.startswith("s3"):
                         self.proxy.arm(fault.kind, fault.size)
+                    elif fault.kind == "mlflow-down":
+                        self.mlflow_proxy.down_for(fault.size)
                     elif fault.kind == "disk-full":
                         fault.victims = tuple(processes(str(home))["worker"])
                         if fault.victims:
@@ -362,6 +408,7 @@ class Soak:
             stop.set()
             watcher.join()
             self.proxy.arm(None, 0)
+            self.mlflow_proxy.down_for(0)
             (scratch / ".ballast").unlink(missing_ok=True)
         seconds = time.monotonic() - started
         meta = {k: getattr(v, "value", v) for k, v in materializations[0].metadata.items()} if materializations else {}
@@ -385,7 +432,7 @@ class Soak:
             problems.append(f"leases left: {[lease.describe() for lease in leases]}")
         if scratch := sorted((home / "runs").glob("*")):
             problems.append(f"scratch left: {[p.name for p in scratch]}")
-        client = MlflowClient(mlflow_uri)
+        client = MlflowClient(f"http://127.0.0.1:{self.mlflow_port}")
         experiment = client.get_experiment_by_name("vlm_assets")
         statuses = []
         for run_id in run_ids if experiment else []:
@@ -423,14 +470,15 @@ class Soak:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| run | faults (kind@checkpoint step, xN: S3 writes failed) | retries (relaunches) | resumed from "
+        "| run | faults (kind@checkpoint step; xN: S3 writes failed; N s: MLflow down) | retries (relaunches) "
+        "| resumed from "
         "| val loss | s | ok |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         faults = ", ".join(
             f"{f['kind']}@{f['fired_at']}"
-            + (f" x{f['size']}" if f["size"] else "")
+            + (f" {f['size']} s" if f["kind"] == "mlflow-down" else f" x{f['size']}" if f["size"] else "")
             + (f" ({f['note']})" * bool(f["note"]))
             for f in row["faults"]
         )
