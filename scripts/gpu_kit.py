@@ -129,7 +129,7 @@ def tree_size() -> int:
 
 def plan(root: Path = CARRY) -> dict:
     files = carry_files(root) if root.is_dir() else []
-    carried = sum(size for _, size in files)
+    carried, tree = sum(size for _, size in files), tree_size()
     return {
         "calls": [
             {
@@ -149,13 +149,13 @@ def plan(root: Path = CARRY) -> dict:
             "data": list(DATA),
             "files": files,
             "bytes": carried,
-            "tree_bytes": tree_size(),
+            "tree_bytes": tree,
             "limit_bytes": CARRY_LIMIT,
         },
         "problems": check_plan()
         + (
-            [f"{root} + the working tree: {(carried + tree_size()) / 2**20:.1f} MiB, over the 64 MiB a call carries"]
-            if carried + tree_size() > CARRY_LIMIT
+            [f"{root} + the working tree: {(carried + tree) / 2**20:.1f} MiB, over the 64 MiB a call carries"]
+            if carried + tree > CARRY_LIMIT
             else []
         ),
     }
