@@ -188,6 +188,25 @@ def failure_causes(result) -> list[str]:
     return causes
 
 
+ENDS_AN_ATTEMPT = ("worker", "agent", "disk-full")  # S3 and MLflow outages only when past the clients' retries
+
+
+def work_lost(faults: list[Fault], causes: list[str], retries: int, resumed_from_step: float | None) -> list[str]:
+    """Nothing committed before a fault that ended an attempt is trained again: the last retry resumes
+    from at least the checkpoint committed before the last such fault (lost work < one checkpoint
+    interval); every kill cost a retry. An outage counts only when the retry rule read one
+    (``unreachable``): the S3 and MLflow clients' own retries absorb the short ones."""
+    fired = [f for f in faults if f.fired_at is not None and not f.note]
+    ended = [f for f in fired if f.kind in ENDS_AN_ATTEMPT or "unreachable" in causes]
+    problems = []
+    if retries and ended and resumed_from_step is not None and resumed_from_step < max(f.fired_at for f in ended):
+        last = max(f.fired_at for f in ended)
+        problems.append(f"resumed from step {resumed_from_step}, but step {last} was committed before the last fault")
+    if retries < len(kills := [f for f in fired if f.kind in ("worker", "agent")]):
+        problems.append(f"{len(kills)} kill(s) but {retries} retries")
+    return problems
+
+
 def processes(marker: str) -> dict[str, list[int]]:
     """Live torchrun agents and training workers of ``MODULE`` whose command line has ``marker``."""
     from vlm_assets.launch.local import training_processes
@@ -440,17 +459,7 @@ class Soak:
             statuses += [r.info.status for r in found]
         if "RUNNING" in statuses:
             problems.append(f"MLflow runs left RUNNING: {statuses}")
-        # Nothing committed before a fault is trained again: a retry resumes from the last checkpoint
-        # committed before the fault (lost work < one checkpoint interval).
-        fired = [f.fired_at for f in faults if f.fired_at is not None and not f.note]
-        if retries and fired and meta and meta.get("resumed_from_step", -1) < max(fired):
-            problems.append(
-                f"resumed from step {meta.get('resumed_from_step')}, but step {max(fired)} was committed "
-                "before the last fault"
-            )
-        kills = [f for f in faults if f.kind in ("worker", "agent") and f.fired_at is not None and not f.note]
-        if retries < len(kills):
-            problems.append(f"{len(kills)} kill(s) but {retries} retries")
+        problems += work_lost(faults, causes, retries, meta.get("resumed_from_step") if meta else None)
         return {
             "name": name,
             "faults": [dataclasses.asdict(f) for f in faults],

@@ -37,3 +37,31 @@ def test_a_short_seeded_soak_loses_nothing(tmp_path, offline_data):
     assert faulted["resumed_from_step"] >= 18 and faulted["key"] == reference["key"]
     row = r"\| run0 \| s3-500@12 x7, disk-full@18 \| [23] \([01]\) \| (18|24) \| [\d.]+ \| [\d.]+ \| yes \|"
     assert re.search(row, proc.stdout), proc.stdout
+
+
+def _soak_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("soak", REPO / "bench" / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lost_work_is_judged_by_the_faults_that_ended_an_attempt():
+    """The soak's own check, on the run that found it wrong (seed 226, run 2): an agent killed after
+    step 6, then MLflow down for 39 s after step 18, which the client's retries rode out. The one retry
+    rightly resumed from step 6; an outage counts only when the retry rule read one."""
+    soak = _soak_module()
+    agent, mlflow_down = soak.Fault("agent", 6, fired_at=6), soak.Fault("mlflow-down", 18, 39, fired_at=18)
+    assert soak.work_lost([agent, mlflow_down], ["killed"], 1, 6.0) == []
+    # the same outage past the client's retries: its attempt failed, so the resume must be from >= 18
+    assert soak.work_lost([agent, mlflow_down], ["killed", "unreachable"], 2, 6.0) == [
+        "resumed from step 6.0, but step 18 was committed before the last fault"
+    ]
+    worker = soak.Fault("worker", 12, fired_at=12)
+    assert soak.work_lost([worker], ["killed"], 1, 6.0) == [
+        "resumed from step 6.0, but step 12 was committed before the last fault"
+    ]
+    assert soak.work_lost([worker], [], 0, None) == ["1 kill(s) but 0 retries"]
+    assert soak.work_lost([soak.Fault("disk-full", 12, fired_at=12)], ["disk_full"], 1, 12.0) == []
