@@ -174,7 +174,8 @@ def draw_schedule(rng: random.Random, steps: list[int]) -> list[Fault]:
 
 def failure_causes(result) -> list[str]:
     """The retry rule's cause of each failed attempt of ``gpt_checkpoint`` in a Dagster run, in order
-    (the launcher's failure ends with ``(<cause>: retried; ...)``)."""
+    (the launcher's failure ends with ``(<cause>: retried; ...)``); an error of the step process itself
+    (the final commit's upload, say), which no launcher read, as ``step:<its exception class>``."""
     import re
 
     causes = []
@@ -184,7 +185,7 @@ def failure_causes(result) -> list[str]:
             error = getattr(data, "error", None)
             text = error.to_string() if error is not None else ""
             found = re.findall(r"\((\w+): (?:retried|not retried);", text)
-            causes.append(found[-1] if found else "other")
+            causes.append(found[-1] if found else f"step:{getattr(error, 'cls_name', None) or 'unknown'}")
     return causes
 
 
