@@ -95,12 +95,10 @@ class FaultProxy:
 
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if time.monotonic() < proxy.down_until:
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
-                if self.command in ("PUT", "POST") and "/.leases/" not in self.path and proxy.take():
-                    if proxy.mode == "s3-drop":
+                write = self.command in ("PUT", "POST") and "/.leases/" not in self.path
+                down = time.monotonic() < proxy.down_until
+                if down or (write and proxy.take()):
+                    if down or proxy.mode == "s3-drop":  # the connection closed without an answer
                         self.close_connection = True
                         self.connection.shutdown(socket.SHUT_RDWR)
                         return
@@ -200,8 +198,8 @@ def work_lost(faults: list[Fault], causes: list[str], retries: int, resumed_from
     fired = [f for f in faults if f.fired_at is not None and not f.note]
     ended = [f for f in fired if f.kind in ENDS_AN_ATTEMPT or "unreachable" in causes]
     problems = []
-    if retries and ended and resumed_from_step is not None and resumed_from_step < max(f.fired_at for f in ended):
-        last = max(f.fired_at for f in ended)
+    last = max((f.fired_at for f in ended), default=None)
+    if retries and last is not None and resumed_from_step is not None and resumed_from_step < last:
         problems.append(f"resumed from step {resumed_from_step}, but step {last} was committed before the last fault")
     if retries < len(kills := [f for f in fired if f.kind in ("worker", "agent")]):
         problems.append(f"{len(kills)} kill(s) but {retries} retries")
@@ -450,8 +448,8 @@ class Soak:
             problems.append(f"processes left: {left}")
         if leases := reader.list_leases():
             problems.append(f"leases left: {[lease.describe() for lease in leases]}")
-        if scratch := sorted((home / "runs").glob("*")):
-            problems.append(f"scratch left: {[p.name for p in scratch]}")
+        if left := sorted(scratch.glob("*")):
+            problems.append(f"scratch left: {[p.name for p in left]}")
         client = MlflowClient(f"http://127.0.0.1:{self.mlflow_port}")
         experiment = client.get_experiment_by_name("vlm_assets")
         statuses = []

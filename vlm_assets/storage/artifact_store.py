@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from vlm_assets.storage.disk import space_checked
+from vlm_assets.storage.disk import staged_write
 from vlm_assets.storage.lease import Lease, LeaseState
 
 MANIFEST_NAME = "_COMPLETE.json"
@@ -238,12 +238,8 @@ class LocalArtifactStore(ArtifactStore):
         staging_root = Path(self._staging_root())
         if staging.parent != staging_root:  # not from staging_dir(): copy onto this filesystem first
             copy = Path(tempfile.mkdtemp(dir=staging_root))
-            try:
-                with space_checked(copy, f"artifact {key}"):
-                    shutil.copytree(staging, copy, dirs_exist_ok=True)
-            except BaseException:
-                shutil.rmtree(copy, ignore_errors=True)
-                raise
+            with staged_write(copy, f"artifact {key}"):
+                shutil.copytree(staging, copy, dirs_exist_ok=True)
             staging = copy
         (staging / MANIFEST_NAME).write_text(manifest.to_json())
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -6,12 +6,13 @@ errno 28 without the path, and ``torch.save`` onto a path (DeepSpeed's checkpoin
 (nor does ``shutil.copytree``'s ``Error``).
 ``space_checked`` turns either into a ``DiskFullError`` that names what was being written, where, and
 the file system's free and total space; the retry rule reads it as ``disk_full``
-(``vlm_assets.launch.retry``).
+(``vlm_assets.launch.retry``). ``staged_write`` adds removing a staging directory whose write failed.
 """
 
 import contextlib
 import errno
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,3 +76,15 @@ def space_checked(path: Path, what: str) -> Iterator[None]:
             f"{_mib(free)} free of {_mib(total)} on the file system mounted at {_mount_point(Path(path))} "
             f"({type(err).__name__}: {str(err).strip()[:200]})",
         ) from err
+
+
+@contextlib.contextmanager
+def staged_write(directory: Path, what: str) -> Iterator[None]:
+    """A write of ``what`` into the staging directory ``directory``: if it fails, the directory is
+    removed (nothing partial stays behind), and a full disk says so (``space_checked``)."""
+    try:
+        with space_checked(directory, what):
+            yield
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise

@@ -25,15 +25,10 @@ from torch.utils.data import DataLoader
 
 from vlm_assets.data.occlusion_dataset import OcclusionSamples, collate
 from vlm_assets.storage import store_from_spec
+from vlm_assets.storage.disk import staged_write
 from vlm_assets.train.adapter_config import AdapterTrainConfig
 from vlm_assets.train.adapter_module import AdapterModule
-from vlm_assets.train.checkpoints import (
-    CHECKPOINT_FILE,
-    CHECKPOINT_NAME,
-    StoreCheckpointIO,
-    latest_checkpoint,
-    write_staged,
-)
+from vlm_assets.train.checkpoints import CHECKPOINT_FILE, CHECKPOINT_NAME, StoreCheckpointIO, latest_checkpoint
 from vlm_assets.train.reporting import Reporter, process_group_backend, quiet_lightning
 from vlm_assets.train.run_config import RunPaths, read_run_file
 
@@ -146,13 +141,8 @@ class StoreDeepSpeedStrategy(DeepSpeedStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         local = Path(self.broadcast(str(Path(filepath).with_suffix(""))))
-        write_staged(
-            local,
-            f"checkpoint step {checkpoint['global_step']}",
-            lambda: super(StoreDeepSpeedStrategy, self).save_checkpoint(
-                checkpoint, local / CHECKPOINT_FILE, storage_options
-            ),
-        )
+        with staged_write(local, f"checkpoint step {checkpoint['global_step']}"):
+            super().save_checkpoint(checkpoint, local / CHECKPOINT_FILE, storage_options)
         self.barrier("deepspeed checkpoint written")
         if self.is_global_zero:
             self.committer.commit(local, checkpoint["global_step"], checkpoint["epoch"])

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from vlm_assets.storage import ArtifactStore, CorruptArtifactError
-from vlm_assets.storage.disk import space_checked
+from vlm_assets.storage.disk import staged_write
 
 CHECKPOINT_FILE = "checkpoint.ckpt"
 CHECKPOINT_NAME = "step-{step:08d}"  # ModelCheckpoint's file name: StoreCheckpointIO commits it as <prefix>/step-<N>
@@ -27,17 +27,6 @@ CHECKPOINT_NAME = "step-{step:08d}"  # ModelCheckpoint's file name: StoreCheckpo
 
 def step_key(prefix: str, step: int) -> str:
     return f"{prefix.strip('/')}/step-{step:08d}"
-
-
-def write_staged(local: Path, what: str, write: Callable[[], None]) -> None:
-    """``write()`` a checkpoint into the staging directory ``local``: a failed write leaves no partial
-    directory behind, and a full disk says so (``DiskFullError``, naming ``what`` and the disk)."""
-    try:
-        with space_checked(local, what):
-            write()
-    except BaseException:
-        shutil.rmtree(local, ignore_errors=True)
-        raise
 
 
 def latest_checkpoint(
@@ -70,13 +59,8 @@ class StoreCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         local = Path(path).with_suffix("")  # .../step-<N>/checkpoint.ckpt: the layout of a committed one
         step = checkpoint["global_step"]
-        write_staged(
-            local,
-            f"checkpoint step {step}",
-            lambda: super(StoreCheckpointIO, self).save_checkpoint(
-                checkpoint, local / CHECKPOINT_FILE, storage_options
-            ),
-        )
+        with staged_write(local, f"checkpoint step {step}"):
+            super().save_checkpoint(checkpoint, local / CHECKPOINT_FILE, storage_options)
         self.commit(local, step, checkpoint["epoch"])
 
     def commit(self, local: Path, step: int, epoch: int) -> None:

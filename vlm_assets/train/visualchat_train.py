@@ -32,7 +32,8 @@ from vlm_assets.launch.spec import InputRefused, exit_on_refused_input
 from vlm_assets.models.visualchat import VisualChatModel, decoder_positions
 from vlm_assets.models.visualchat_attention import attention_layout
 from vlm_assets.storage import store_from_spec
-from vlm_assets.train.checkpoints import StoreCheckpointIO, latest_checkpoint, write_staged
+from vlm_assets.storage.disk import staged_write
+from vlm_assets.train.checkpoints import StoreCheckpointIO, latest_checkpoint
 from vlm_assets.train.reporting import Reporter, process_group_backend
 from vlm_assets.train.run_config import RunPaths, read_run_file
 from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfig
@@ -266,16 +267,14 @@ def save_checkpoint(engine, state: dict, cache: Path, committer: StoreCheckpoint
     dist.broadcast_object_list(local, src=0)
     tag = f"step-{state['step']:08d}"
     # Trained weights only: a frozen 7B decoder would make every checkpoint 14 GB, a LoRA one is megabytes.
-    write_staged(
-        Path(local[0]) / tag,
-        f"checkpoint step {state['step']}",
-        lambda: engine.save_checkpoint(
-            str(Path(local[0]) / tag), tag=tag, client_state={"visualchat": dict(state)}, exclude_frozen_parameters=True
-        ),
-    )
+    staging = Path(local[0]) / tag
+    with staged_write(staging, f"checkpoint step {state['step']}"):
+        engine.save_checkpoint(
+            str(staging), tag=tag, client_state={"visualchat": dict(state)}, exclude_frozen_parameters=True
+        )
     dist.barrier()
     if rank == 0:
-        committer.commit(Path(local[0]) / tag, state["step"], 0)
+        committer.commit(staging, state["step"], 0)
     dist.barrier()
 
 
