@@ -11,8 +11,8 @@ committed to the artifact store; a relaunch resumes from the newest intact one. 
 """
 
 import argparse
+import functools
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -24,13 +24,12 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 from vlm_assets.data.occlusion_dataset import OcclusionSamples, collate
-from vlm_assets.storage import store_from_spec
 from vlm_assets.storage.disk import staged_write
 from vlm_assets.train.adapter_config import AdapterTrainConfig
 from vlm_assets.train.adapter_module import AdapterModule
-from vlm_assets.train.checkpoints import CHECKPOINT_FILE, CHECKPOINT_NAME, StoreCheckpointIO, latest_checkpoint
-from vlm_assets.train.reporting import Reporter, process_group_backend, quiet_lightning
-from vlm_assets.train.run_config import RunPaths, read_run_file
+from vlm_assets.train.checkpoints import CHECKPOINT_FILE, CHECKPOINT_NAME, StoreCheckpointIO
+from vlm_assets.train.entry import TrainerRun, backend, entry_point
+from vlm_assets.train.reporting import Reporter, process_group_backend
 
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 # The frozen backbone is kept in eval mode on purpose (no dropout, fixed statistics): Lightning's
@@ -104,30 +103,19 @@ class EpochHistory(L.Callback):
         self.epochs = state["epochs"]
 
 
-def build_trainer(config: AdapterTrainConfig, callbacks, loggers, checkpoint_io: StoreCheckpointIO) -> L.Trainer:
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    cuda = torch.cuda.is_available()
+def build_trainer(run: TrainerRun[AdapterTrainConfig], callbacks, checkpoint_io: StoreCheckpointIO) -> L.Trainer:
+    config, cuda = run.config, torch.cuda.is_available()
     if config.resolved_strategy(cuda) == "deepspeed":
         deepspeed = StoreDeepSpeedStrategy if cuda else CPUStoreDeepSpeedStrategy
-        strategy_obj = deepspeed(checkpoint_io, stage=2, exclude_frozen_parameters=True)
+        strategy = deepspeed(checkpoint_io, stage=2, exclude_frozen_parameters=True)
     else:
-        strategy_obj = DDPStrategy(process_group_backend="nccl" if cuda else "gloo", checkpoint_io=checkpoint_io)
-    return L.Trainer(
-        accelerator="gpu" if cuda else "cpu",
-        devices=local_world,
-        num_nodes=world // local_world,
-        strategy=strategy_obj,
-        precision="bf16-mixed" if cuda else "32-true",
+        strategy = DDPStrategy(process_group_backend=backend(), checkpoint_io=checkpoint_io)
+    return run.trainer(
+        strategy,
+        callbacks,
         max_epochs=config.epochs,
-        accumulate_grad_batches=config.accumulation(world),
+        accumulate_grad_batches=config.accumulation(run.world),
         gradient_clip_val=config.grad_clip or None,
-        num_sanity_val_steps=0,
-        logger=loggers,
-        log_every_n_steps=config.log_every,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
 
 
@@ -178,29 +166,18 @@ class CPUStoreDeepSpeedStrategy(StoreDeepSpeedStrategy):
         return engine, optimizer
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, required=True, help="a run file: AdapterTrainConfig + RunPaths")
-    config, paths = read_run_file(parser.parse_args(argv).config, AdapterTrainConfig)
-    quiet_lightning()
-    rank = int(os.environ.get("RANK", 0))
-    with Reporter.open(rank, paths.mlflow_tracking_uri, paths.mlflow_run_id) as reporter:
-        train(config, paths, rank, reporter)
-
-
-def train(config: AdapterTrainConfig, paths: RunPaths, rank: int, reporter: Reporter) -> None:
+def train(run: TrainerRun[AdapterTrainConfig]) -> None:
+    config, paths, reporter = run.config, run.paths, run.reporter
     L.seed_everything(config.seed, workers=True, verbose=False)
     root = Path(paths.input("occlusion_manifests"))
     backbone = paths.input("backbone")
     train_data = OcclusionSamples(root, "train", config.image_size, config.num_train)
     val_data = OcclusionSamples(root, "validation", config.image_size, config.num_validation)
-    store = store_from_spec(paths.checkpoint_store)
-    cache = Path(paths.cache_dir) / f"rank{rank}"
-    resume = latest_checkpoint(store, paths.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
+    resume = run.latest_checkpoint()
     history = EpochHistory(reporter)
     # After every validation, i.e. every epoch (the validation loop runs at each epoch's end).
     checkpoints = ModelCheckpoint(
-        dirpath=cache / "staging",
+        dirpath=run.cache / "staging",
         filename=CHECKPOINT_NAME,
         auto_insert_metric_name=False,
         every_n_epochs=1,
@@ -208,23 +185,18 @@ def train(config: AdapterTrainConfig, paths: RunPaths, rank: int, reporter: Repo
         save_top_k=-1,
         enable_version_counter=False,
     )
-    checkpoint_io = StoreCheckpointIO(store, paths.checkpoint_prefix, keep_last=2, log=reporter.log)
-    trainer = build_trainer(config, [history, checkpoints], reporter.loggers(), checkpoint_io)
+    trainer = build_trainer(run, [history, checkpoints], run.checkpoint_io(keep_last=2))
     module = AdapterModule(config, backbone)
-    loaders = [
-        DataLoader(data, batch_size=config.micro_batch_size, shuffle=shuffle, collate_fn=collate)
-        for data, shuffle in ((train_data, True), (val_data, False))
-    ]
+    loader = functools.partial(DataLoader, batch_size=config.micro_batch_size, collate_fn=collate)
     reporter.log(
         f"adapter on frozen {backbone}: {len(train_data)} train / {len(val_data)} val samples, "
         + (f"resuming from {resume[0]}" if resume else "starting from scratch")
     )
-    trainer.fit(
-        module, *loaders, ckpt_path=str(resume[1]) if resume else None, weights_only=False
-    )  # our own full checkpoint, its sha256 verified against the manifest
-    if rank == 0:
-        out = Path(paths.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+    run.fit(
+        trainer, module, resume, train_dataloaders=loader(train_data, shuffle=True), val_dataloaders=loader(val_data)
+    )
+    if run.rank == 0:
+        out = run.out
         save_file(
             {k: v.detach().cpu().contiguous() for k, v in module.adapter.state_dict().items()},
             str(out / "adapter.safetensors"),
@@ -247,6 +219,8 @@ def train(config: AdapterTrainConfig, paths: RunPaths, rank: int, reporter: Repo
         )
     trainer.strategy.barrier("adapter written")
 
+
+main = entry_point(AdapterTrainConfig, train)
 
 if __name__ == "__main__":
     main()

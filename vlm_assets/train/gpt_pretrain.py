@@ -10,7 +10,6 @@ validation batch, for the export check).
 Launched by Dagster, global rank 0 reports logs, metrics and the final metadata through Pipes.
 """
 
-import argparse
 import json
 import math
 import os
@@ -26,12 +25,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from vlm_assets.data.token_stream import reference_batch
 from vlm_assets.models.gpt import GPT, preset
 from vlm_assets.models.gpt_export import export_hf
-from vlm_assets.storage import store_from_spec
-from vlm_assets.train.checkpoints import CHECKPOINT_FILE, StepCheckpoint, StoreCheckpointIO, latest_checkpoint, step_key
+from vlm_assets.train.checkpoints import CHECKPOINT_FILE, StepCheckpoint, step_key
+from vlm_assets.train.entry import TrainerRun, backend, entry_point
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.gpt_module import GPTPretrainModule, TokenDataModule
-from vlm_assets.train.reporting import Reporter, TrainingHistory, process_group_backend, quiet_lightning
-from vlm_assets.train.run_config import RunPaths, read_run_file
+from vlm_assets.train.reporting import TrainingHistory, process_group_backend
 
 REFERENCE_SAMPLES = 8
 # Lightning only knows resumable *loaders*; the position is restored by TokenDataModule.load_state_dict.
@@ -41,51 +39,31 @@ warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*"
 warnings.filterwarnings("ignore", message=r".*Your `IterableDataset` has `__len__` defined")
 
 
-def build_trainer(config: PretrainConfig, callbacks: list[L.Callback], loggers, checkpoint_io) -> L.Trainer:
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    cuda = torch.cuda.is_available()
+def build_trainer(run: TrainerRun[PretrainConfig], callbacks: list[L.Callback], checkpoint_io) -> L.Trainer:
+    config = run.config
     if config.strategy == "fsdp2":
         strategy = ModelParallelStrategy(
-            data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=False
+            data_parallel_size=run.world, tensor_parallel_size=1, save_distributed_checkpoint=False
         )
     else:
-        strategy = DDPStrategy(process_group_backend="nccl" if cuda else "gloo")
-    accumulation = config.accumulation(world)
-    return L.Trainer(
-        accelerator="gpu" if cuda else "cpu",
-        devices=local_world,
-        num_nodes=world // local_world,
-        strategy=strategy,
-        precision="bf16-mixed" if cuda else "32-true",
+        strategy = DDPStrategy(process_group_backend=backend())
+    accumulation = config.accumulation(run.world)
+    return run.trainer(
+        strategy,
+        callbacks,
         max_steps=config.max_steps,
         max_epochs=-1,
         accumulate_grad_batches=accumulation,
         val_check_interval=config.val_check_interval * accumulation,
         check_val_every_n_epoch=None,
         limit_val_batches=config.val_batches,
-        num_sanity_val_steps=0,
         use_distributed_sampler=False,  # streaming shards the samples over ranks itself
-        logger=loggers,
-        log_every_n_steps=config.log_every,
-        callbacks=callbacks,
         plugins=[checkpoint_io],
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, required=True, help="a run file: PretrainConfig + RunPaths")
-    config, paths = read_run_file(parser.parse_args(argv).config, PretrainConfig)
-    quiet_lightning()
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    with Reporter.open(rank, paths.mlflow_tracking_uri, paths.mlflow_run_id) as reporter:
-        train(config, paths, rank, world, reporter)
-
-
-def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, reporter: Reporter) -> None:
+def train(run: TrainerRun[PretrainConfig]) -> None:
+    config, paths, rank, world, reporter = run.config, run.paths, run.rank, run.world, run.reporter
     shards_uri = paths.input("token_shards")
     summary = json.loads(_shards_path(shards_uri, paths.cache_dir, "tokens.json").read_text())
     model_config, preset_lr = preset(
@@ -95,14 +73,13 @@ def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, report
     )
     lr = config.lr or preset_lr
     L.seed_everything(config.seed, workers=True, verbose=False)
-    store = store_from_spec(paths.checkpoint_store)
-    cache = Path(paths.cache_dir) / f"rank{rank}"
-    resume = latest_checkpoint(store, paths.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
+    resume = run.latest_checkpoint()
     tokens_per_step = config.global_batch_size * summary["max_length"]
     history = TrainingHistory(reporter, config.max_steps, tokens_per_step)
-    checkpoints = StepCheckpoint(cache / "staging", every=config.checkpoint_every, val_every=config.val_check_interval)
-    checkpoint_io = StoreCheckpointIO(store, paths.checkpoint_prefix, keep_last=config.keep_last, log=reporter.log)
-    trainer = build_trainer(config, [history, checkpoints], reporter.loggers(), checkpoint_io)
+    checkpoints = StepCheckpoint(
+        run.cache / "staging", every=config.checkpoint_every, val_every=config.val_check_interval
+    )
+    trainer = build_trainer(run, [history, checkpoints], run.checkpoint_io(config.keep_last))
     module = GPTPretrainModule(model_config, config, lr)
     data = TokenDataModule(config, shards_uri, paths.cache_dir)
     reporter.log(
@@ -110,9 +87,7 @@ def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, report
         f"accumulation {config.accumulation(world)}, lr {lr}, "
         + (f"resuming from {resume[0]}" if resume else "starting from scratch")
     )
-    trainer.fit(
-        module, datamodule=data, ckpt_path=str(resume[1]) if resume else None, weights_only=False
-    )  # our own full checkpoint, its sha256 verified against the manifest
+    run.fit(trainer, module, resume, datamodule=data)
     if resume and history.resumed_from_step is None:  # resumed at max_steps: Lightning starts no training
         history.resumed_from_step = int(resume[0].rsplit("step-", 1)[1])
     tokens_per_s = history.tokens_per_s(trainer.global_step)
@@ -126,9 +101,8 @@ def train(config: PretrainConfig, paths: RunPaths, rank: int, world: int, report
     # Every rank opens the streaming dataset (its set-up is collective); rank 0 uses the batch.
     batch = reference_batch(shards_uri, REFERENCE_SAMPLES, Path(paths.cache_dir) / "reference")
     if rank == 0:
-        out = Path(paths.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        final = latest_checkpoint(store, paths.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
+        out = run.out
+        final = run.latest_checkpoint()
         assert final is not None and final[0] == step_key(paths.checkpoint_prefix, trainer.global_step)
         shutil.copy2(final[1], out / CHECKPOINT_FILE)
         export_hf(state, model_config, out / "hf", _shards_path(shards_uri, paths.cache_dir, "tokenizer"))
@@ -188,6 +162,8 @@ def _shards_path(shards_uri: str, cache_dir: str, rel: str) -> Path:
         raise FileNotFoundError(f"{shards_uri}/{rel} does not exist")
     return target
 
+
+main = entry_point(PretrainConfig, train)
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,6 @@ validation images of the manifests with a two-image conversation (``eval.json``)
 Pipes.
 """
 
-import argparse
 import json
 import os
 import shutil
@@ -28,14 +27,13 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from vlm_assets.data import visualchat_data as vd
-from vlm_assets.launch.spec import InputRefused, exit_on_refused_input
+from vlm_assets.launch.spec import InputRefused
 from vlm_assets.models.visualchat import VisualChatModel, decoder_positions
 from vlm_assets.models.visualchat_attention import attention_layout
-from vlm_assets.storage import store_from_spec
 from vlm_assets.storage.disk import staged_write
-from vlm_assets.train.checkpoints import StoreCheckpointIO, latest_checkpoint
+from vlm_assets.train.checkpoints import StoreCheckpointIO
+from vlm_assets.train.entry import TrainerRun, backend, entry_point
 from vlm_assets.train.reporting import Reporter, process_group_backend
-from vlm_assets.train.run_config import RunPaths, read_run_file
 from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfig
 
 EVAL_BATCH = 4
@@ -144,30 +142,18 @@ class RowOrder:
         return [order[(start + i) % self.num_rows] for i in range(self.micro)]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, required=True, help="a run file: VisualChatTrainConfig + RunPaths")
-    config, paths = read_run_file(parser.parse_args(argv).config, VisualChatTrainConfig)
-    if config.decoder == GPT_DECODER:  # the asset resolved the in-graph GPT export to a directory
-        config = config.model_copy(update={"decoder": paths.input("decoder")})
-    rank = int(os.environ.get("RANK", 0))
-    with exit_on_refused_input(), Reporter.open(rank, paths.mlflow_tracking_uri, paths.mlflow_run_id) as reporter:
-        try:
-            train(config, paths, rank, reporter)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-
-def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: Reporter) -> None:
+def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     import deepspeed
 
+    config, paths, rank, reporter = run.config, run.paths, run.rank, run.reporter
+    if config.decoder == GPT_DECODER:  # the asset resolved the in-graph GPT export to a directory
+        config = config.model_copy(update={"decoder": paths.input("decoder")})
     cuda = torch.cuda.is_available()
     if cuda:  # NCCL bound to this rank's GPU (DeepSpeed's init_distributed takes no device; unbound, barriers warn)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")  # uses the group above when there is one
+    deepspeed.init_distributed(dist_backend=backend())  # uses the group above when there is one
     world = dist.get_world_size()
     model = build_model(config)
     manifests = Path(paths.inputs["occlusion_manifests"]) if "occlusion_manifests" in paths.inputs else None
@@ -192,11 +178,9 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
         model_parameters=params,
         config=deepspeed_config(config, world),
     )
-    store = store_from_spec(paths.checkpoint_store)
-    cache = Path(paths.cache_dir) / f"rank{rank}"
-    committer = StoreCheckpointIO(store, paths.checkpoint_prefix, keep_last=2, log=reporter.log)
+    committer = run.checkpoint_io(keep_last=2)
     state = {"step": 0, "position": 0, "history": [], "baseline_eval_loss": None, "resumed_from_step": None}
-    found = latest_checkpoint(store, paths.checkpoint_prefix, reporter.log, cache_dir=cache / "checkpoints")
+    found = run.latest_checkpoint()
     if found is not None:
         directory = found[1].parent
         # the tag its `latest` file names; the frozen weights are not in it (below): they are the model's as built
@@ -233,7 +217,7 @@ def train(config: VisualChatTrainConfig, paths: RunPaths, rank: int, reporter: R
                     step=state["step"],
                 )
         if state["step"] % config.checkpoint_every == 0 or state["step"] == config.max_steps:
-            save_checkpoint(engine, state, cache, committer, rank)
+            save_checkpoint(engine, state, run.cache, committer, rank)
     elapsed = time.perf_counter() - started
     dist.all_reduce(tokens)  # tokens that are not padding, over every rank, in this attempt's steps
     eval_loss = evaluate(engine, evaluation, pad, size)
@@ -362,6 +346,8 @@ def evaluate_export(model_dir: Path, manifests: Path, count: int, out: Path, rep
         "vqa_held_out_phrasings_ci95_high": phrased["ci95"][1],
     }
 
+
+main = entry_point(VisualChatTrainConfig, train)
 
 if __name__ == "__main__":
     main()

@@ -17,6 +17,7 @@ from vlm_assets.models.occlusion_adapter import OcclusionAdapter
 from vlm_assets.models.tiny_qwen import build_tiny_qwen
 from vlm_assets.train.adapter_config import AdapterTrainConfig
 from vlm_assets.train.adapter_train import train
+from vlm_assets.train.entry import TrainerRun
 from vlm_assets.train.reporting import Reporter
 from vlm_assets.train.run_config import RunPaths
 
@@ -64,7 +65,7 @@ def _run(inputs, name: str, seed: int, monkeypatch) -> tuple[list[dict], dict, d
         checkpoint_prefix=f"checkpoints/{name}",
     )
     with Reporter.open(0, None, None) as reporter:
-        train(config, paths, 0, reporter)
+        train(TrainerRun(config, paths, reporter, rank=0, world=1))
     weights = load_file(str(out / "adapter.safetensors"))
     adapter = OcclusionAdapter()
     adapter.load_state_dict(weights)

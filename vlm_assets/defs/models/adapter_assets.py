@@ -3,22 +3,18 @@ frozen VLM, prove it helps, and register it in the MLflow Model Registry only wh
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 
-from vlm_assets.defs.platform.checks import Judged, check_specs
-from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher, launch_trainer, numbers
-from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized, upstream_ref
-from vlm_assets.defs.platform.storage import ArtifactStoreResource
-from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.defs.platform.checks import Judged
+from vlm_assets.defs.platform.launcher import numbers
+from vlm_assets.defs.platform.memo import AssetConfig, Built
+from vlm_assets.defs.platform.training import Launch, training_asset
 from vlm_assets.memo import cache_key
 from vlm_assets.paths import require_local
 from vlm_assets.storage import ArtifactRef, ArtifactStore
 from vlm_assets.train.adapter_config import TINY_CLEAN, VISUALCHAT, AdapterTrainConfig
-
-TRAINER_MODULE = "vlm_assets.train.adapter_train"
 
 
 class OcclusionAdapterConfig(AdapterTrainConfig, AssetConfig):
@@ -106,102 +102,86 @@ def adapter_weights_finite(judged: Judged) -> dg.AssetCheckResult:
     )
 
 
-CHECKS = (adapter_training_complete, adapter_weights_finite)
+def adapter_inputs(launch: Launch) -> dict[str, str]:
+    """The manifests and the backbone the workers load, once the bad input that would fail them is refused."""
+    from vlm_assets.data.occlusion_dataset import OcclusionSamples
+    from vlm_assets.models.frozen_vlm import check_prompt_lengths
+
+    config, manifests = launch.config, launch.local("occlusion_manifests")
+    preflight(config, manifests)
+    backbone = resolve_backbone(
+        config,
+        launch.store,
+        launch.upstream["occlusion_manifests"],
+        launch.upstream.get("visualchat_model"),
+        launch.context.log.info,
+    )
+    check_prompt_lengths(
+        backbone,
+        OcclusionSamples(manifests, "train", config.image_size, None).images.rows,
+        config.image_size,
+        config.max_length,
+        str(manifests / "train.jsonl"),
+    )
+    return {"occlusion_manifests": str(manifests), "backbone": backbone}
 
 
-# `visualchat_model` is read only when the config says `backbone: visualchat`: a `deps` edge, so an
-# adapter on another backbone neither waits for VisualChat nor rebuilds when it changes.
-@dg.asset(
-    code_version="1",
-    kinds={"pytorch", "lightning"},
-    group_name="models",
-    pool=TRAINING_POOL,
-    retry_policy=dg.RetryPolicy(max_retries=2, delay=2),
-    deps=["visualchat_model"],
-    check_specs=check_specs("occlusion_adapter", CHECKS),
-)
-def occlusion_adapter(
-    context: dg.AssetExecutionContext,
-    config: OcclusionAdapterConfig,
-    occlusion_manifests: ArtifactRef,
-    artifact_store: ArtifactStoreResource,
-    mlflow: MlflowTrackingResource,
-    launcher: TrainingLauncher,
-) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
-    """A 10,532-parameter residual Conv2d adapter trained in front of a frozen VLM (a Qwen2.5-VL, or the
-    graph's merged VisualChat model) so it answers correctly on occluded images: LM loss on the answer
-    tokens + 0.35 x masked L1 to the clean image. Contains ``adapter.safetensors``, ``backbone.json``
-    (what it was trained against) and ``history.json``. A retry resumes from the last per-epoch
-    recovery checkpoint."""
-    store = artifact_store.get_store()
-    upstream = {"occlusion_manifests": occlusion_manifests}
-    if config.backbone == VISUALCHAT:
-        upstream["visualchat_model"] = upstream_ref(context, store, "visualchat_model")
-    key = artifact_key(context, config, upstream)
+def partial_on_failure(launch: Launch, failure: dg.Failure) -> dict:
+    """On the last try, when the config asks for it, the last recovery checkpoint as a partial adapter."""
+    if not (launch.config.materialize_partial_on_failure and launch.last_try):
+        raise failure
+    launch.context.log.warning(
+        f"training failed for good; materializing the last checkpoint as partial: {failure.description}"
+    )
+    return partial_from_checkpoint(launch.store, f"checkpoints/{launch.key}", launch.staging)
 
-    def build(staging: Path, run: TrackedRun) -> Built:
-        from vlm_assets.data.occlusion_dataset import OcclusionSamples
-        from vlm_assets.models.frozen_vlm import check_prompt_lengths
 
-        manifests = store.local_path(occlusion_manifests.key)
-        preflight(config, manifests)
-        backbone = resolve_backbone(
-            config, store, occlusion_manifests, upstream.get("visualchat_model"), context.log.info
-        )
-        check_prompt_lengths(
-            backbone,
-            OcclusionSamples(manifests, "train", config.image_size, None).images.rows,
-            config.image_size,
-            config.max_length,
-            str(manifests / "train.jsonl"),
-        )
-        inputs = {"occlusion_manifests": str(manifests), "backbone": backbone}
-        try:
-            values = launch_trainer(
-                context,
-                launcher,
-                config,
-                TRAINER_MODULE,
-                key=key,
-                inputs=inputs,
-                staging=staging,
-                run=run,
-                artifact_store=artifact_store,
-                tracking_uri=mlflow.tracking_uri,
-            )
-            partial = False
-        except dg.Failure as failure:
-            last_try = context.retry_number >= occlusion_adapter.op.retry_policy.max_retries
-            if not (config.materialize_partial_on_failure and last_try):
-                raise
-            context.log.warning(
-                f"training failed for good; materializing the last checkpoint as partial: {failure.description}"
-            )
-            values = partial_from_checkpoint(store, f"checkpoints/{key}", staging)
-            partial = True
-        rows = [json.loads(line) for line in (manifests / "train.jsonl").read_text().splitlines()[:1]]
-        (staging / "backbone.json").write_text(
-            json.dumps(
-                {
-                    "backbone": backbone,
-                    "image_size": config.image_size,
-                    "max_length": config.max_length,
-                    "prompt": rows[0]["prompt"],
-                    "adapter_steps": config.adapter_steps,
-                }
-            )
-        )
-        return Built(
-            metrics=numbers(values),
-            metadata={
+def adapter_report(launch: Launch, values: dict) -> Built:
+    """``backbone.json`` (what the adapter was trained against: eval_report loads it) and the numbers."""
+    config, staging, backbone = launch.config, launch.staging, launch.inputs["backbone"]
+    with (launch.local("occlusion_manifests") / "train.jsonl").open() as rows:
+        prompt = json.loads(next(rows))["prompt"]
+    (staging / "backbone.json").write_text(
+        json.dumps(
+            {
                 "backbone": backbone,
-                "partial": partial,
-                **{k: values[k] for k in ("strategy", "precision", "backend") if k in values},  # a partial has none
-            },
-            scan=weights_scan(staging),
+                "image_size": config.image_size,
+                "max_length": config.max_length,
+                "prompt": prompt,
+                "adapter_steps": config.adapter_steps,
+            }
         )
+    )
+    partial = bool(json.loads((staging / "history.json").read_text()).get("partial"))
+    return Built(
+        metrics=numbers(values),
+        metadata={
+            "backbone": backbone,
+            "partial": partial,
+            **{k: values[k] for k in ("strategy", "precision", "backend") if k in values},  # a partial has none
+        },
+        scan=weights_scan(staging),
+    )
 
-    yield from materialize_memoized(context, artifact_store, mlflow, config, build, upstream, checks=CHECKS)
+
+occlusion_adapter = training_asset(
+    "occlusion_adapter",
+    description="""A 10,532-parameter residual Conv2d adapter trained in front of a frozen VLM (a Qwen2.5-VL,
+    or the graph's merged VisualChat model) so it answers correctly on occluded images: LM loss on the
+    answer tokens + 0.35 x masked L1 to the clean image. Contains ``adapter.safetensors``, ``backbone.json``
+    (what it was trained against) and ``history.json``. A retry resumes from the last per-epoch recovery
+    checkpoint.""",
+    config_type=OcclusionAdapterConfig,
+    trainer="vlm_assets.train.adapter_train",
+    source="occlusion_manifests",
+    # `visualchat_model` is read only when the config says `backbone: visualchat`
+    optional=("visualchat_model", lambda config: config.backbone == VISUALCHAT),
+    inputs=adapter_inputs,
+    finish=adapter_report,
+    on_failure=partial_on_failure,
+    checks=(adapter_training_complete, adapter_weights_finite),
+    kinds={"pytorch", "lightning"},
+)
 
 
 def partial_from_checkpoint(store: ArtifactStore, prefix: str, staging: Path) -> dict:

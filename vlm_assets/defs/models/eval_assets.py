@@ -11,9 +11,11 @@ from pydantic import Field
 from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_specs
 from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
 from vlm_assets.defs.platform.profiles import ProfileDefaults
+from vlm_assets.defs.platform.registration import registered_model_asset
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
-from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun, register_champion
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
+from vlm_assets.models import adapter_card
 from vlm_assets.models.registry import serving_requirements
 from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.run_config import run_section
@@ -203,40 +205,6 @@ class RegisteredAdapterConfig(AssetConfig):
     alias: str = Field(default="champion", min_length=1, description="Alias pointed at this adapter's version.")
 
 
-@dg.asset(
-    code_version="2",
-    kinds={"mlflow"},
-    group_name="models",
-    deps=[eval_report],
-    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
-)
-def registered_adapter(
-    context: dg.AssetExecutionContext,
-    config: RegisteredAdapterConfig,
-    occlusion_adapter: ArtifactRef,
-    artifact_store: ArtifactStoreResource,
-    mlflow: MlflowTrackingResource,
-) -> dg.MaterializeResult:
-    """The adapter as an MLflow pyfunc model (PNG + box -> label; models-from-code, safetensors weights,
-    the backbone recorded, a signature and an input example) in the Model Registry, with ``alias``
-    pointed at it. The registry, not a local cache, decides: a version is found by its weights' sha256,
-    so the same weights never make a second version and a reset registry or a hand-moved alias is
-    mended on the next run. Downstream of the blocking eval checks: it never runs when they fail.
-    Load it with ``mlflow.pyfunc.load_model('models:/<name>@<alias>')``."""
-    from vlm_assets.models.adapter_card import DESCRIPTION
-
-    store = artifact_store.get_store()
-    return register_champion(
-        context,
-        mlflow,
-        model_name=config.model_name,
-        alias=config.alias,
-        weights_sha256=store.read_manifest(occlusion_adapter.key).files["adapter.safetensors"]["sha256"],
-        log_model=lambda run: log_adapter_model(run, store.local_path(occlusion_adapter.key), mlflow.tracking_uri),
-        description=DESCRIPTION,
-    )
-
-
 def log_adapter_model(run: TrackedRun, root: Path, tracking_uri: str):
     """Log the pyfunc into ``run`` with MLflow's models-from-code; returns its ``ModelInfo``."""
     import mlflow as mlflow_lib
@@ -278,3 +246,21 @@ def _input_example(info: dict):
             "box": [[side // 4, side // 4, side // 2, side // 2]],
         }
     )
+
+
+registered_adapter = registered_model_asset(
+    "registered_adapter",
+    description="""The adapter as an MLflow pyfunc model (PNG + box -> label; models-from-code, safetensors
+    weights, the backbone recorded, a signature and an input example) in the Model Registry, with
+    ``alias`` pointed at it. The registry, not a local cache, decides: a version is found by its weights'
+    sha256, so the same weights never make a second version and a reset registry or a hand-moved alias
+    is mended on the next run. Downstream of the blocking eval checks: it never runs when they fail.
+    Load it with ``mlflow.pyfunc.load_model('models:/<name>@<alias>')``.""",
+    source="occlusion_adapter",
+    config_type=RegisteredAdapterConfig,
+    code_version="2",
+    deps=[eval_report],
+    weights_sha256=lambda files: files["adapter.safetensors"]["sha256"],
+    log_model=log_adapter_model,
+    card=adapter_card.DESCRIPTION,
+)

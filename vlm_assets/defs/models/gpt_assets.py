@@ -11,24 +11,19 @@ import base64
 import json
 import math
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
 
-from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_specs
-from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher, launch_trainer, numbers
-from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized
+from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged
+from vlm_assets.defs.platform.launcher import numbers
+from vlm_assets.defs.platform.memo import AssetConfig, Built
 from vlm_assets.defs.platform.profiles import ProfileDefaults
-from vlm_assets.defs.platform.storage import ArtifactStoreResource
-from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.defs.platform.training import Launch, training_asset
 from vlm_assets.paths import runs_dir
-from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.run_config import run_section
-
-TRAINER_MODULE = "vlm_assets.train.gpt_pretrain"
 
 
 class ValLossCheckConfig(ProfileDefaults, dg.Config):
@@ -86,68 +81,45 @@ def export_reproduces_val_loss(judged: Judged) -> dg.AssetCheckResult:
     )
 
 
-CHECKS = (val_loss_beats_uniform, export_reproduces_val_loss)
+def report(launch: Launch, values: dict) -> Built:
+    """What the GPT trainer wrote, for the registry of runs and the UI: the loss curve against the
+    uniform guess, the export's scan and the trainer's numbers."""
+    from vlm_assets.train.plots import loss_curve_png
+
+    config, staging = launch.config, launch.staging
+    history = json.loads((staging / "history.json").read_text())
+    vocab = json.loads((staging / "hf" / "config.json").read_text())["vocab_size"]
+    png = loss_curve_png(
+        history,
+        math.log(vocab),
+        f"GPT {config.preset}, {config.strategy}, {config.num_nodes}x{config.nproc_per_node} processes",
+    )
+    (staging / "loss_curve.png").write_bytes(png)
+    launch.run.log_artifact(str(staging / "loss_curve.png"))
+    return Built(
+        scan=export_scan(staging, launch.upstream["token_shards"].uri),
+        metrics=numbers(values),
+        metadata={
+            "checkpoint_key": values["checkpoint"],
+            **{k: values[k] for k in ("strategy", "precision", "backend")},
+            "vocab_size": vocab,
+        },
+        markdown={"loss_curve": f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"},
+    )
 
 
-@dg.asset(
-    code_version="1",
+gpt_checkpoint = training_asset(
+    "gpt_checkpoint",
+    description="""A GPT-2-style decoder pretrained from scratch on ``token_shards`` with Lightning (DDP or
+    FSDP2), as a distributed job on ``num_nodes`` x ``nproc_per_node`` processes. Contains
+    ``checkpoint.ckpt`` (consolidated Lightning checkpoint), ``hf/`` (a ``GPT2LMHeadModel`` export with
+    tokenizer, loadable with transformers alone), ``history.json`` and ``loss_curve.png``. A retry resumes
+    from the newest intact checkpoint of the same inputs.""",
+    config_type=GPTCheckpointConfig,
+    trainer="vlm_assets.train.gpt_pretrain",
+    source="token_shards",
+    inputs=lambda launch: {"token_shards": launch.upstream["token_shards"].uri},
+    finish=report,
+    checks=(val_loss_beats_uniform, export_reproduces_val_loss),
     kinds={"pytorch", "lightning"},
-    group_name="models",
-    retry_policy=dg.RetryPolicy(max_retries=2, delay=2),
-    pool=TRAINING_POOL,
-    check_specs=check_specs("gpt_checkpoint", CHECKS),
 )
-def gpt_checkpoint(
-    context: dg.AssetExecutionContext,
-    config: GPTCheckpointConfig,
-    token_shards: ArtifactRef,
-    artifact_store: ArtifactStoreResource,
-    mlflow: MlflowTrackingResource,
-    launcher: TrainingLauncher,
-) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
-    """A GPT-2-style decoder pretrained from scratch on ``token_shards`` with Lightning (DDP or FSDP2),
-    as a distributed job on ``num_nodes`` x ``nproc_per_node`` processes. Contains ``checkpoint.ckpt``
-    (consolidated Lightning checkpoint), ``hf/`` (a ``GPT2LMHeadModel`` export with tokenizer, loadable
-    with transformers alone), ``history.json`` and ``loss_curve.png``. A retry resumes from the newest
-    intact checkpoint of the same inputs."""
-    upstream = {"token_shards": token_shards}
-    key = artifact_key(context, config, upstream)
-
-    def build(staging: Path, run: TrackedRun) -> Built:
-        from vlm_assets.train.plots import loss_curve_png
-
-        values = launch_trainer(
-            context,
-            launcher,
-            config,
-            TRAINER_MODULE,
-            key=key,
-            inputs={"token_shards": token_shards.uri},
-            staging=staging,
-            run=run,
-            artifact_store=artifact_store,
-            tracking_uri=mlflow.tracking_uri,
-        )
-        history = json.loads((staging / "history.json").read_text())
-        vocab = json.loads((staging / "hf" / "config.json").read_text())["vocab_size"]
-        png = loss_curve_png(
-            history,
-            math.log(vocab),
-            f"GPT {config.preset}, {config.strategy}, {config.num_nodes}x{config.nproc_per_node} processes",
-        )
-        (staging / "loss_curve.png").write_bytes(png)
-        run.log_artifact(str(staging / "loss_curve.png"))
-        return Built(
-            scan=export_scan(staging, token_shards.uri),
-            metrics=numbers(values),
-            metadata={
-                "checkpoint_key": values["checkpoint"],
-                "strategy": values["strategy"],
-                "precision": values["precision"],
-                "backend": values["backend"],
-                "vocab_size": vocab,
-            },
-            markdown={"loss_curve": f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"},
-        )
-
-    yield from materialize_memoized(context, artifact_store, mlflow, config, build, upstream, checks=CHECKS)

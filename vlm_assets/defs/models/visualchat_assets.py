@@ -9,26 +9,24 @@ every process, and commits what rank 0 wrote.
 
 import base64
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
 
-from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_specs
-from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher, launch_trainer, numbers
-from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized, upstream_ref
+from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged
+from vlm_assets.defs.platform.launcher import numbers
+from vlm_assets.defs.platform.memo import AssetConfig, Built
 from vlm_assets.defs.platform.profiles import ProfileDefaults
-from vlm_assets.defs.platform.storage import ArtifactStoreResource
-from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun, register_champion
+from vlm_assets.defs.platform.registration import registered_model_asset
+from vlm_assets.defs.platform.tracking import TrackedRun
+from vlm_assets.defs.platform.training import Launch, training_asset
 from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
+from vlm_assets.models import visualchat_card
 from vlm_assets.models.registry import serving_requirements
 from vlm_assets.paths import require_local
-from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.run_config import run_section
 from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfig
-
-TRAINER_MODULE = "vlm_assets.train.visualchat_train"
 
 
 class VQACheckConfig(ProfileDefaults, dg.Config):
@@ -108,67 +106,46 @@ def merged_equals_unmerged(judged: Judged) -> dg.AssetCheckResult:
     )
 
 
-CHECKS = (eval_loss_beats_untrained, vqa_exact_match_meets_threshold, merged_equals_unmerged)
+def visualchat_inputs(launch: Launch) -> dict[str, str]:
+    """The manifests, and the in-graph GPT's export when the config names it; bad chat records fail
+    here (FILE:N), never retried."""
+    config = launch.config
+    config.read_chat_datasets(sorted(config.chat_datasets))
+    inputs = {"occlusion_manifests": str(launch.local("occlusion_manifests"))}
+    if "gpt_checkpoint" in launch.upstream:
+        inputs["decoder"] = str(launch.local("gpt_checkpoint") / "hf")
+    return inputs
 
 
-@dg.asset(
-    code_version="1",
+def visualchat_report(launch: Launch, values: dict) -> Built:
+    return Built(
+        metrics=numbers(values),
+        metadata={
+            "decoder": launch.inputs.get("decoder", launch.config.decoder),
+            **{k: values[k] for k in ("backend", "param_dtype")},
+        },
+        markdown=report_markdown(launch.staging, launch.run, launch.config),
+    )
+
+
+visualchat_model = training_asset(
+    "visualchat_model",
+    description="""A vision encoder + projection + causal-LM decoder with LoRA (DeepSpeed-VisualChat's
+    recipe), trained with the plain DeepSpeed engine (ZeRO-2/3) on ``nproc_per_node`` x ``num_nodes``
+    processes; LoRA merged. Contains ``model/`` (``VisualChatModel.from_pretrained``; ``python -m
+    vlm_assets.chat``), ``history.json``, ``eval.json`` (VQA exact match of the merged model on held-out
+    images, a two-image conversation) and ``loss_curve.png``. A retry resumes from the newest checkpoint
+    at the same step and data position.""",
+    config_type=VisualChatAssetConfig,
+    trainer="vlm_assets.train.visualchat_train",
+    source="occlusion_manifests",
+    # `gpt_checkpoint` is read only when the config names it (decoder: gpt_checkpoint)
+    optional=("gpt_checkpoint", lambda config: config.decoder == GPT_DECODER),
+    inputs=visualchat_inputs,
+    finish=visualchat_report,
+    checks=(eval_loss_beats_untrained, vqa_exact_match_meets_threshold, merged_equals_unmerged),
     kinds={"pytorch", "deepspeed"},
-    group_name="models",
-    retry_policy=dg.RetryPolicy(max_retries=2, delay=2),
-    pool=TRAINING_POOL,
-    # Read only when the config names it (decoder: gpt_checkpoint): a `deps` edge, so a VisualChat
-    # on a hub decoder neither waits for the GPT nor rebuilds when it changes.
-    deps=["gpt_checkpoint"],
-    check_specs=check_specs("visualchat_model", CHECKS),
 )
-def visualchat_model(
-    context: dg.AssetExecutionContext,
-    config: VisualChatAssetConfig,
-    occlusion_manifests: ArtifactRef,
-    artifact_store: ArtifactStoreResource,
-    mlflow: MlflowTrackingResource,
-    launcher: TrainingLauncher,
-) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
-    """A vision encoder + projection + causal-LM decoder with LoRA (DeepSpeed-VisualChat's recipe), trained
-    with the plain DeepSpeed engine (ZeRO-2/3) on ``nproc_per_node`` x ``num_nodes`` processes; LoRA merged.
-    Contains ``model/`` (``VisualChatModel.from_pretrained``; ``python -m vlm_assets.chat``), ``history.json``,
-    ``eval.json`` (VQA exact match of the merged model on held-out images, a two-image conversation) and
-    ``loss_curve.png``. A retry resumes from the newest checkpoint at the same step and data position."""
-    store = artifact_store.get_store()
-    upstream = {"occlusion_manifests": occlusion_manifests}
-    if config.decoder == GPT_DECODER:
-        upstream["gpt_checkpoint"] = upstream_ref(context, store, "gpt_checkpoint")
-    key = artifact_key(context, config, upstream)
-
-    def build(staging: Path, run: TrackedRun) -> Built:
-        config.read_chat_datasets(sorted(config.chat_datasets))  # bad records fail here (FILE:N), not retried
-        manifests = store.local_path(occlusion_manifests.key)
-        inputs = {"occlusion_manifests": str(manifests)}
-        if config.decoder == GPT_DECODER:
-            inputs["decoder"] = str(store.local_path(upstream["gpt_checkpoint"].key) / "hf")
-        values = launch_trainer(
-            context,
-            launcher,
-            config,
-            TRAINER_MODULE,
-            key=key,
-            inputs=inputs,
-            staging=staging,
-            run=run,
-            artifact_store=artifact_store,
-            tracking_uri=mlflow.tracking_uri,
-        )
-        return Built(
-            metrics=numbers(values),
-            metadata={
-                "decoder": inputs.get("decoder", config.decoder),
-                **{k: values[k] for k in ("backend", "param_dtype")},
-            },
-            markdown=report_markdown(staging, run, config),
-        )
-
-    yield from materialize_memoized(context, artifact_store, mlflow, config, build, upstream, checks=CHECKS)
 
 
 def report_markdown(staging: Path, run: TrackedRun, config: VisualChatAssetConfig) -> dict[str, str]:
@@ -210,34 +187,6 @@ class RegisteredVisualChatConfig(AssetConfig):
     alias: str = Field(default="champion", min_length=1, description="Alias pointed at this model's version.")
 
 
-@dg.asset(code_version="1", kinds={"mlflow"}, group_name="models", retry_policy=dg.RetryPolicy(max_retries=2, delay=5))
-def registered_visualchat(
-    context: dg.AssetExecutionContext,
-    config: RegisteredVisualChatConfig,
-    visualchat_model: ArtifactRef,
-    artifact_store: ArtifactStoreResource,
-    mlflow: MlflowTrackingResource,
-) -> dg.MaterializeResult:
-    """The merged VisualChat model as an MLflow pyfunc (models-from-code: a question and base64 PNG images
-    -> the answer) in the Model Registry, with ``alias`` pointed at it. As ``registered_adapter``: a version
-    is found by the sha256 of the model's files, so the same model never makes a second version. Runs only
-    when the blocking checks of ``visualchat_model`` passed. Chat with it:
-    ``python -m vlm_assets.chat models:/visualchat@champion``."""
-    from vlm_assets.models.visualchat_card import DESCRIPTION
-
-    store = artifact_store.get_store()
-    files = store.read_manifest(visualchat_model.key).files
-    return register_champion(
-        context,
-        mlflow,
-        model_name=config.model_name,
-        alias=config.alias,
-        weights_sha256=combined_sha256({p: f["sha256"] for p, f in files.items() if p.startswith("model/")}),
-        log_model=lambda run: log_visualchat_model(run, store.local_path(visualchat_model.key), mlflow.tracking_uri),
-        description=DESCRIPTION,
-    )
-
-
 def combined_sha256(shas: dict[str, str]) -> str:
     import hashlib
 
@@ -268,3 +217,18 @@ def log_visualchat_model(run: TrackedRun, root: Path, tracking_uri: str):
             pip_requirements=serving_requirements(),
             artifacts={"model": str(root / "model")},
         )
+
+
+registered_visualchat = registered_model_asset(
+    "registered_visualchat",
+    description="""The merged VisualChat model as an MLflow pyfunc (models-from-code: a question and base64
+    PNG images -> the answer) in the Model Registry, with ``alias`` pointed at it. As
+    ``registered_adapter``: a version is found by the sha256 of the model's files, so the same model never
+    makes a second version. Runs only when the blocking checks of ``visualchat_model`` passed. Chat with
+    it: ``python -m vlm_assets.chat models:/visualchat@champion``.""",
+    source="visualchat_model",
+    config_type=RegisteredVisualChatConfig,
+    weights_sha256=lambda files: combined_sha256({p: f["sha256"] for p, f in files.items() if p.startswith("model/")}),
+    log_model=log_visualchat_model,
+    card=visualchat_card.DESCRIPTION,
+)

@@ -113,10 +113,12 @@ def materialize_memoized(
     upstream: Mapping[str, ArtifactRef] | None = None,
     *,
     checks: Sequence[Check] = (),
+    key: str | None = None,
 ) -> Iterator[Any]:
     """The step's events: the artifact (a cache hit, or built and committed), then ``checks`` on it,
-    judged with the config's ``checks`` section (declare them with ``check_specs``)."""
-    output = _materialize(context, artifact_store, mlflow, config, build, upstream or {})
+    judged with the config's ``checks`` section (declare them with ``check_specs``). ``key``: the
+    artifact's key when the caller computed it already (``artifact_key``)."""
+    output = _materialize(context, artifact_store, mlflow, config, build, upstream or {}, key)
     subject = Judged(output.value, getattr(config, "checks", None), artifact_store.get_store(), upstream or {})
     yield from judge(output, checks, subject)
 
@@ -128,12 +130,13 @@ def _materialize(
     config: AssetConfig,
     build: Callable[[Path, TrackedRun], Built],
     upstream: Mapping[str, ArtifactRef],
+    key: str | None,
 ) -> dg.Output[ArtifactRef]:
     if run_canceled(context):  # a retry of a step its run's cancellation interrupted: stop before any work
         raise dg.DagsterExecutionInterruptedError(f"run {context.run.run_id} is being canceled")
     with bad_input_fails_fast():
         config.check_values()
-        key = artifact_key(context, config, upstream)
+        key = key or artifact_key(context, config, upstream)
         store, started = artifact_store.get_store(), time.perf_counter()
         with _build_lease(context, artifact_store, store, key) as lease:
             if lease is None or store.exists(key):

@@ -140,39 +140,3 @@ class MlflowTrackingResource(dg.ConfigurableResource):
         for run in runs:
             client.set_terminated(run.info.run_id, status="KILLED")
         return [run.info.run_id for run in runs]
-
-
-def register_champion(
-    context: dg.AssetExecutionContext,
-    mlflow: MlflowTrackingResource,
-    *,
-    model_name: str,
-    alias: str,
-    weights_sha256: str,
-    log_model,
-    description: str,
-) -> dg.MaterializeResult:
-    """A registered-model asset's body, written once: ``log_model(run)`` logs the pyfunc into a new MLflow
-    run only when no version of ``model_name`` carries ``weights_sha256`` yet (``register_once``), and
-    ``alias`` points at that version; the registry, not a local cache, decides."""
-    from vlm_assets.models.registry import register_once
-
-    name = context.asset_key.to_user_string()
-
-    def logged():
-        tags = {"dagster.run_id": context.run.run_id, "dagster.asset": name}
-        with mlflow.start_run(run_name=name, tags=tags) as run:
-            return log_model(run)
-
-    with mlflow.registry_errors():
-        entry = register_once(mlflow.client(), model_name, alias, weights_sha256, logged, description)
-    context.log.info(f"{entry.name}@{entry.alias} -> v{entry.version} ({entry.action})")
-    return dg.MaterializeResult(
-        metadata={
-            "model": f"models:/{entry.name}@{entry.alias}",
-            "model_version": entry.version,
-            "registry": entry.action,
-            "weights_sha256": weights_sha256,
-            "registry_uri": mlflow.tracking_uri,
-        }
-    )

@@ -1,0 +1,125 @@
+"""One factory for the three training assets (``gpt_checkpoint``, ``occlusion_adapter``,
+``visualchat_model``). What a training asset writes is only what differs: which trainer module it
+launches, what it reads (``inputs``: its upstream artifacts resolved to paths, bad input refused before
+any process starts) and what it reports (``finish``: the numbers, plots and scan of what rank 0
+wrote). The rest (the cache key, computed once; the memoized build under a lease; the launch through
+the ``TrainingLauncher`` with the trainer's Pipes report; the checks in the asset's own step; the
+training pool and one retry policy) is written here once, so the body a reader sees is inputs ->
+launch -> materialization, as in Dagster's Pipes examples.
+"""
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+
+from vlm_assets.defs.platform.checks import Check, check_specs
+from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher, launch_trainer
+from vlm_assets.defs.platform.memo import Built, artifact_key, materialize_memoized, upstream_ref
+from vlm_assets.defs.platform.storage import ArtifactStoreResource
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.storage import ArtifactRef, ArtifactStore
+
+# Dagster's retry of a training step (the one layer that retries: README "one retry rule"). A retry
+# resumes from the newest intact checkpoint of the same key.
+TRAINING_RETRY = dg.RetryPolicy(max_retries=2, delay=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One build of a training asset, as its ``inputs`` and ``finish`` see it."""
+
+    context: dg.AssetExecutionContext
+    config: Any
+    store: ArtifactStore
+    upstream: dict[str, ArtifactRef]
+    key: str
+    staging: Path
+    run: TrackedRun
+    inputs: dict[str, str] = dataclasses.field(default_factory=dict)  # what ``inputs`` resolved
+
+    def local(self, upstream: str) -> Path:
+        """An upstream artifact's directory on local disk (downloaded once if the store is remote)."""
+        return self.store.local_path(self.upstream[upstream].key)
+
+    @property
+    def last_try(self) -> bool:
+        return self.context.retry_number >= TRAINING_RETRY.max_retries
+
+
+def training_asset(
+    name: str,
+    *,
+    config_type: type,
+    trainer: str,
+    source: str,
+    inputs: Callable[[Launch], dict[str, str]],
+    finish: Callable[[Launch, dict[str, Any]], Built],
+    checks: Sequence[Check],
+    kinds: set[str],
+    description: str,
+    optional: tuple[str, Callable[[Any], bool]] | None = None,
+    on_failure: Callable[[Launch, dg.Failure], dict[str, Any]] | None = None,
+) -> dg.AssetsDefinition:
+    """A training asset named ``name``: reads ``source``'s artifact (and ``optional[0]``'s when
+    ``optional[1](config)`` says so: a ``deps`` edge, so an asset that does not read it neither waits
+    for it nor rebuilds when it changes), launches ``trainer`` (a module run by ``entry_point`` on every
+    process) on ``inputs(launch)``, and commits what ``finish(launch, values)`` reports; ``values`` is
+    the trainer's Pipes report. ``on_failure`` may turn a failed launch into values (or raise)."""
+
+    @dg.asset(
+        name=name,
+        description=inspect.cleandoc(description),
+        code_version="1",
+        kinds=kinds,
+        group_name="models",
+        retry_policy=TRAINING_RETRY,
+        pool=TRAINING_POOL,
+        ins={source: dg.AssetIn(source)},
+        deps=[optional[0]] if optional else None,
+        check_specs=check_specs(name, checks),
+    )
+    def _training_asset(
+        context: dg.AssetExecutionContext,
+        config: config_type,  # type: ignore[valid-type]  # Dagster reads the config schema from this annotation
+        artifact_store: ArtifactStoreResource,
+        mlflow: MlflowTrackingResource,
+        launcher: TrainingLauncher,
+        **read: ArtifactRef,  # the one input, named after its asset (``ins``)
+    ) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
+        store = artifact_store.get_store()
+        upstream = {source: read[source]}
+        if optional and optional[1](config):
+            upstream[optional[0]] = upstream_ref(context, store, optional[0])
+        key = artifact_key(context, config, upstream)
+
+        def build(staging: Path, run: TrackedRun) -> Built:
+            launch = Launch(context, config, store, upstream, key, staging, run)
+            launch = dataclasses.replace(launch, inputs=inputs(launch))
+            try:
+                values = launch_trainer(
+                    context,
+                    launcher,
+                    config,
+                    trainer,
+                    key=key,
+                    inputs=launch.inputs,
+                    staging=staging,
+                    run=run,
+                    artifact_store=artifact_store,
+                    tracking_uri=mlflow.tracking_uri,
+                )
+            except dg.Failure as failure:
+                if on_failure is None:
+                    raise
+                values = on_failure(launch, failure)
+            return finish(launch, values)
+
+        yield from materialize_memoized(
+            context, artifact_store, mlflow, config, build, upstream, checks=checks, key=key
+        )
+
+    return _training_asset
