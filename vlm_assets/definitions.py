@@ -4,7 +4,11 @@ from pathlib import Path
 
 import dagster as dg
 
+from vlm_assets.defs.platform.profiles import check_profile_claimed
+
 
 @dg.definitions
 def defs() -> dg.Definitions:
-    return dg.load_from_defs_folder(path_within_project=Path(__file__).parent)
+    loaded = dg.load_from_defs_folder(path_within_project=Path(__file__).parent)
+    check_profile_claimed()  # every config class is imported by now
+    return loaded

@@ -1,6 +1,7 @@
 """The data assets through Dagster: memoization, MLflow, checks, bad input, S3."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -259,3 +260,66 @@ def test_token_shards_on_s3_stream_back(embedded, offline_data, s3_bucket, s3_en
     local = build_token_dataloaders(str(store.get_store().local_path(ref.key)), tmp_path / "unused", batch_size=16)
     assert np.array_equal(streamed, np.concatenate([b["input_ids"].numpy() for b in local.val]))
     assert streamed.shape == (40, 128)
+
+
+def test_the_demo_profiles_counts_hold_only_for_its_own_source(offline_data, tmp_path):
+    """Under the demo profile (2,000 + 500 Fashion-MNIST images), a user who points occlusion_manifests at
+    their own folder gets all of its images, not "num_train=2000 exceeds" a count they never set; the
+    profile's own source keeps its counts, and a count the user gives is theirs. In a fresh process:
+    the profile is applied when the definitions load."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    images, labels = real_cifar_images(offline_data)
+    for copy in range(2):
+        for i, (img, label) in enumerate(zip(images, labels)):
+            folder = tmp_path / "folder" / "train" / CIFAR10_CLASSES[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(img).save(folder / f"{copy}-{i:02d}.png")
+    code = f"""
+import json, dagster as dg
+from vlm_assets.defs.data.occlusion_assets import OcclusionManifestsConfig, occlusion_manifests
+from vlm_assets.defs.platform.storage import LocalArtifactStoreResource
+from vlm_assets.defs.platform.tracking import MlflowTrackingResource
+
+folder = {{"source": "image_folder", "source_uri": {str(tmp_path / "folder")!r}, "validation_fraction": 0.25}}
+configs = {{
+    "profile": OcclusionManifestsConfig(),
+    "profile_source_again": OcclusionManifestsConfig(source_uri=OcclusionManifestsConfig().source_uri),
+    "folder": OcclusionManifestsConfig(**folder),
+    "folder_with_a_count": OcclusionManifestsConfig(**folder, num_train=30),
+}}
+with dg.instance_for_test() as instance:
+    result = dg.materialize(
+        [occlusion_manifests],
+        resources={{
+            "artifact_store": LocalArtifactStoreResource(root={str(tmp_path / "store")!r}),
+            "mlflow": MlflowTrackingResource(
+                tracking_uri="sqlite:///{tmp_path / "mlflow.db"}", artifact_location={(tmp_path / "mlruns").as_uri()!r}
+            ),
+        }},
+        run_config={{"ops": {{"occlusion_manifests": {{"config": folder}}}}}},  # as the UI or a YAML gives it
+        instance=instance,
+    )
+meta = result.asset_materializations_for_node("occlusion_manifests")[0].metadata
+print(json.dumps({{
+    **{{k: [c.num_train, c.num_validation] for k, c in configs.items()}},
+    "materialized": [meta["num_train"].value, meta["num_validation"].value],
+}}))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "VLM_ASSETS_PROFILE": "demo", "VLM_ASSETS_HOME": str(tmp_path / "home")},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["profile"] == counts["profile_source_again"] == [2000, 500]
+    assert counts["folder"] == [None, None]
+    assert counts["folder_with_a_count"] == [30, None]
+    assert sum(counts["materialized"]) == 2 * len(labels)  # every image of the folder

@@ -139,20 +139,12 @@ def test_ui_materialize_and_main_job_use_the_active_profile(name):
     assert ops["occlusion_manifests"]["source"] == ("fashion_mnist" if name == "demo" else "cifar10")
     assert ops["gpt_checkpoint"]["num_nodes"] == (2 if name == "demo" else 1)
     assert ops["eval_report"]["checks"]["min_accuracy"] == (0.3 if name == "demo" else 0.5)
-    classes = {
-        ("occlusion_manifests",): "OcclusionManifestsConfig",
-        ("token_shards",): "TokenShardsConfig",
-        ("gpt_checkpoint",): "GPTCheckpointConfig",
-        ("occlusion_adapter",): "OcclusionAdapterConfig",
-        ("eval_report",): "EvalReportConfig",
-        ("eval_report", "checks"): "EvalChecksConfig",
-        ("visualchat_model",): "VisualChatAssetConfig",
-        ("visualchat_model", "checks"): "VQACheckConfig",
-    }
-    for path, cls in classes.items():
-        section = ops[path[0]] if len(path) == 1 else ops[path[0]][path[1]]
-        for field, value in profile_defaults(name).get(cls, {}).items():
-            assert section[field] == value, (path, field)
+    profiled = profile_defaults(name)
+    assert name == "seed" or len(profiled) == 8
+    for key, values in profiled.items():  # "<asset>" or "<asset>.checks"
+        asset, _, section = key.partition(".")
+        for field, value in values.items():
+            assert (ops[asset][section] if section else ops[asset])[field] == value, (key, field)
 
 
 def test_a_profile_value_a_field_rejects_fails_the_load_naming_it():
@@ -160,14 +152,26 @@ def test_a_profile_value_a_field_rejects_fails_the_load_naming_it():
         "import vlm_assets.defs.platform.profiles as p\n"
         "real = p.profile_defaults\n"
         "p.profile_defaults = lambda n: {**real(n),\n"
-        "    'GPTCheckpointConfig': {**real(n)['GPTCheckpointConfig'], 'lr': -1.0}}"
+        "    'gpt_checkpoint': {**real(n)['gpt_checkpoint'], 'lr': -1.0}}"
     )
     proc = _defaults_in_a_fresh_process("demo", patch)
     assert proc.returncode != 0
     assert (
-        "ValueError: profile 'demo': config of GPTCheckpointConfig: field lr: Input should be greater than 0"
-        in proc.stderr
+        "ValueError: profile 'demo': gpt_checkpoint: config of GPTCheckpointConfig: field lr: "
+        "Input should be greater than 0" in proc.stderr
     )
+
+
+def test_a_profile_key_no_asset_claims_fails_the_load_naming_it():
+    """Profiles are keyed by asset name: a misspelt (or renamed) asset fails the load, never dropped silently."""
+    patch = (
+        "import vlm_assets.defs.platform.profiles as p\n"
+        "real = p.profile_defaults\n"
+        "p.profile_defaults = lambda n: {**real(n), 'gpt_checkpont': {'lr': 1e-3}}"
+    )
+    proc = _defaults_in_a_fresh_process("demo", patch)
+    assert proc.returncode != 0
+    assert "ValueError: profile 'demo': no asset config claims gpt_checkpont (claimed: eval_report," in proc.stderr
 
 
 def test_training_steps_share_one_pool_sized_by_the_instance(tmp_path):

@@ -33,6 +33,8 @@ from vlm_assets.train.run_config import run_section
 
 
 class BalanceCheckConfig(ProfileDefaults, dg.Config):
+    profile_key = "occlusion_manifests.checks"
+
     balance_tolerance: float = Field(
         default=0.1,
         ge=0,
@@ -45,6 +47,8 @@ class BalanceCheckConfig(ProfileDefaults, dg.Config):
 
 
 class OcclusionManifestsConfig(AssetConfig):
+    profile_key = "occlusion_manifests"
+
     source: Literal["cifar10", "fashion_mnist", "image_folder"] = Field(
         default="cifar10",
         description="Image source: the CIFAR-10 python tarball, Fashion-MNIST idx files, "

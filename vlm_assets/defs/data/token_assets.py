@@ -15,6 +15,8 @@ from vlm_assets.storage import ArtifactRef
 
 
 class TokenShardsConfig(AssetConfig):
+    profile_key = "token_shards"
+
     source: Literal["hf", "text_files"] = Field(
         default="hf", description="A Hugging Face dataset (hf_* fields) or local text files (text_glob)."
     )

@@ -20,6 +20,8 @@ from vlm_assets.train.adapter_config import TINY_CLEAN, VISUALCHAT, AdapterTrain
 class OcclusionAdapterConfig(AdapterTrainConfig, AssetConfig):
     """``AdapterTrainConfig`` as the asset's config: the same fields, constraints and defaults."""
 
+    profile_key = "occlusion_adapter"
+
     def check_values(self) -> None:
         require_local(self.backbone, "config field backbone")
 

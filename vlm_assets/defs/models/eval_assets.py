@@ -22,6 +22,8 @@ from vlm_assets.train.run_config import run_section
 
 
 class EvalChecksConfig(ProfileDefaults, dg.Config):
+    profile_key = "eval_report.checks"
+
     min_accuracy: float = Field(
         default=0.5,
         ge=0,
@@ -40,6 +42,8 @@ class EvalChecksConfig(ProfileDefaults, dg.Config):
 
 
 class EvalReportConfig(AssetConfig):
+    profile_key = "eval_report"
+
     num_samples: int | None = Field(default=None, ge=1, description="Validation images evaluated (unset = all).")
     batch_size: int = Field(default=16, ge=1, description="Images per batched greedy decode.")
     num_cards: int = Field(default=24, ge=0, description="Prediction cards in the HTML report.")

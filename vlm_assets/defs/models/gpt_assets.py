@@ -27,6 +27,8 @@ from vlm_assets.train.run_config import run_section
 
 
 class ValLossCheckConfig(ProfileDefaults, dg.Config):
+    profile_key = "gpt_checkpoint.checks"
+
     min_val_loss_gain: float = Field(
         default=1.0,
         ge=0,
@@ -37,6 +39,8 @@ class ValLossCheckConfig(ProfileDefaults, dg.Config):
 class GPTCheckpointConfig(PretrainConfig, AssetConfig):
     """``PretrainConfig`` as the asset's config: the same fields, constraints and defaults, and the
     checks' section."""
+
+    profile_key = "gpt_checkpoint"
 
     checks: ValLossCheckConfig = run_section(ValLossCheckConfig, CHECKS_SECTION)
 

@@ -30,6 +30,8 @@ from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfi
 
 
 class VQACheckConfig(ProfileDefaults, dg.Config):
+    profile_key = "visualchat_model.checks"
+
     min_exact_match: float = Field(
         default=0.5,
         ge=0,
@@ -43,6 +45,8 @@ class VQACheckConfig(ProfileDefaults, dg.Config):
 class VisualChatAssetConfig(VisualChatTrainConfig, AssetConfig):
     """``VisualChatTrainConfig`` as the asset's config: the same fields, constraints and defaults, and the
     checks' section."""
+
+    profile_key = "visualchat_model"
 
     checks: VQACheckConfig = run_section(VQACheckConfig, CHECKS_SECTION)
 

@@ -5,11 +5,13 @@ hub, full-size training). ``demo`` = the real offline data of ``scripts/fetch-of
 small scale; its values replace those defaults when the code location loads with
 ``VLM_ASSETS_PROFILE=demo`` (the default). Because they are the config classes' defaults, `main_job`,
 the UI's "Materialize" buttons, `dagster asset materialize` and the schedule all run the same thing,
-and a value given in run config still wins. A demo value a field rejects fails the load, naming it.
+and a value given in run config still wins. A profile is data keyed by asset name (``<asset>.checks``
+for an asset's checks section); each config class claims its key (``profile_key``), and a key no
+class claims or a value a field rejects fails the load, naming it.
 """
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import dagster as dg
 import pydantic
@@ -21,7 +23,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "data" / "examples"  # package 
 
 
 def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
-    """Config class name -> field defaults of the profile (empty for ``seed``)."""
+    """Asset name (``<asset>.checks`` for its checks section) -> field defaults of the profile (empty for
+    ``seed``)."""
     if name == "seed":
         return {}
     return _demo(offline_data_dir())
@@ -29,20 +32,20 @@ def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
 
 def _demo(data: Path) -> dict[str, dict[str, Any]]:
     return {
-        "OcclusionManifestsConfig": {
+        "occlusion_manifests": {
             "source": "fashion_mnist",
             "source_uri": str(data / "fashion-mnist"),
             "num_train": 2000,
             "num_validation": 500,
         },
-        "TokenShardsConfig": {
+        "token_shards": {
             "source": "text_files",
             "text_glob": str(data / "shakespeare" / "*.txt"),
             "tokenizer": str(data / "gpt2-tokenizer"),
             "max_length": 256,
         },
         # Two nodes of one process each (two torchrun agents on loopback), as a cluster would run it.
-        "GPTCheckpointConfig": {
+        "gpt_checkpoint": {
             "preset": "tiny",
             "strategy": "ddp",
             "num_nodes": 2,
@@ -62,7 +65,7 @@ def _demo(data: Path) -> dict[str, dict[str, Any]]:
         # decoder too little for LoRA alone), on the clean images as VQA (the manifest's prompt, and 400
         # asked in other words) and two-image conversations, plus a small LLaVA-format file of real
         # CIFAR-10 photos (24 conversations; README "Chat datasets").
-        "VisualChatAssetConfig": {
+        "visualchat_model": {
             "chat_datasets": {str(EXAMPLES / "cifar10_llava.json"): None},
             "image_folder": str(data / "cifar10-samples"),
             "decoder": "gpt_checkpoint",
@@ -86,12 +89,12 @@ def _demo(data: Path) -> dict[str, dict[str, Any]]:
             "checkpoint_every": 150,
             "log_every": 50,
         },
-        "VQACheckConfig": {"min_exact_match": 0.3},  # visualchat_model's checks section
+        "visualchat_model.checks": {"min_exact_match": 0.3},
         # The adapter at the images' own 28 px in front of that VisualChat model (frozen), on 2 processes:
         # 6 weight-tied steps (a 12 px reach: the whole box), 10 epochs of reconstruction (it learns to
         # inpaint; no backbone). The LM loss is left out here: on this lineage it shuts the gate (README,
         # "Why the adapter helps"). The frozen model judges the adapter in eval_report.
-        "OcclusionAdapterConfig": {
+        "occlusion_adapter": {
             "backbone": "visualchat",
             "image_size": 28,
             "adapter_steps": 6,
@@ -106,33 +109,75 @@ def _demo(data: Path) -> dict[str, dict[str, Any]]:
             "num_train": None,
             "num_validation": 200,
         },
-        "EvalReportConfig": {"num_samples": 500, "batch_size": 50, "num_cards": 24},
-        # eval_report's checks section: changing a threshold judges the same report again, never rebuilds it.
-        "EvalChecksConfig": {"min_accuracy": 0.3},
+        "eval_report": {"num_samples": 500, "batch_size": 50, "num_cards": 24},
+        # Changing a threshold judges the same report again, never rebuilds it.
+        "eval_report.checks": {"min_accuracy": 0.3},
     }
 
 
+# Values a profile sets for its own data source hold only while the asset reads that source: a user who
+# points the asset at another one (another ``source`` or ``source_uri``) gets the fields' own defaults for
+# them (every image of their folder, not the demo's 2,000 Fashion-MNIST ones). Dagster hands a config
+# its schema's defaults as if given, so a value equal to the profile's is taken as the profile's.
+SOURCE_TIED = {"occlusion_manifests": (("source", "source_uri"), ("num_train", "num_validation"))}
+_CLAIMED: set[str] = set()
+# class -> (the profile's source values, {tied field: (the profile's value, the field's own default)})
+_TIED: dict[type, tuple[dict[str, Any], dict[str, tuple[Any, Any]]]] = {}
+
+
 class ProfileDefaults(pydantic.BaseModel):
-    """Mixed into asset and check configs: the active profile's values become the field defaults."""
+    """Mixed into asset and check configs: the active profile's values under ``profile_key`` become the
+    field defaults."""
+
+    profile_key: ClassVar[str | None] = None  # the asset's name, or "<asset>.checks"
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
-        overrides = profile_defaults(profile()).get(cls.__name__)
+        key = cls.__dict__.get("profile_key")  # its own, never a parent's
+        if key is None:
+            return
+        _CLAIMED.add(key)
+        overrides = profile_defaults(profile()).get(key)
         if not overrides:
             return
         from vlm_assets.train.run_config import describe_validation_error
 
+        sources, tied = SOURCE_TIED.get(key, ((), ()))
+        own = {field: cls.model_fields[field].default for field in tied if field in overrides}
         for field, value in overrides.items():
             if field not in cls.model_fields:
-                raise ValueError(f"profile {profile()!r}: {cls.__name__} has no field {field!r}")
+                raise ValueError(f"profile {profile()!r}: {key} ({cls.__name__}) has no field {field!r}")
             cls.model_fields[field].default = value
         cls.model_rebuild(force=True)
+        if own:
+            _TIED[cls] = (
+                {field: cls.model_fields[field].default for field in sources},
+                {field: (overrides[field], default) for field, default in own.items()},
+            )
         try:  # defaults are not validated by pydantic: validate the profile's once, here
             cls.model_validate(overrides)
         except pydantic.ValidationError as err:
             raise ValueError(
-                describe_validation_error(err, f"profile {profile()!r}: config of {cls.__name__}")
+                describe_validation_error(err, f"profile {profile()!r}: config of {key} ({cls.__name__})")
             ) from None
         except dg.Failure as err:  # an AssetConfig turns its validation errors into step failures
-            raise ValueError(f"profile {profile()!r}: {err.description}") from None
+            raise ValueError(f"profile {profile()!r}: {key}: {err.description}") from None
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _profile_values_follow_its_source(cls, data: Any) -> Any:
+        if (tied := _TIED.get(cls)) is None or not isinstance(data, dict):
+            return data
+        sources, values = tied
+        if all(data.get(field, value) == value for field, value in sources.items()):
+            return data
+        return {**data, **{f: own for f, (profiled, own) in values.items() if data.get(f, profiled) == profiled}}
+
+
+def check_profile_claimed() -> None:
+    """Every key of the active profile names a config that claims it: a misspelt or renamed asset fails
+    the load instead of silently dropping its profile."""
+    if unclaimed := sorted(set(profile_defaults(profile())) - _CLAIMED):
+        claimed = ", ".join(sorted(_CLAIMED))
+        raise ValueError(f"profile {profile()!r}: no asset config claims {', '.join(unclaimed)} (claimed: {claimed})")
