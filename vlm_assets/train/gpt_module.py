@@ -128,22 +128,15 @@ class TokenDataModule(L.LightningDataModule):
                 self.shards_uri, "val", cache_dir=cache, batch_size=self.config.micro_batch_size
             )
 
+    def _loader(self, data, **kwargs) -> DataLoader:
+        batch, workers = self.config.micro_batch_size, self.config.num_workers
+        return DataLoader(data, batch_size=batch, collate_fn=collate_tokens, num_workers=workers, **kwargs)
+
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_data,
-            batch_size=self.config.micro_batch_size,
-            collate_fn=collate_tokens,
-            num_workers=self.config.num_workers,
-            drop_last=True,
-        )
+        return self._loader(self.train_data, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.val_data,
-            batch_size=self.config.micro_batch_size,
-            collate_fn=collate_tokens,
-            num_workers=self.config.num_workers,
-        )
+        return self._loader(self.val_data)
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         if self.trainer.training:

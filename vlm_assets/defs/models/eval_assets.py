@@ -8,7 +8,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_specs
+from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_specs, lower_bound_check, threshold_field
 from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.registration import registered_model_asset
@@ -24,11 +24,8 @@ from vlm_assets.train.run_config import run_section
 class EvalChecksConfig(ProfileDefaults, dg.Config):
     profile_key = "eval_report.checks"
 
-    min_accuracy: float = Field(
-        default=0.5,
-        ge=0,
-        le=1,
-        description="The 95 % Wilson lower bound of the exact-match accuracy with the adapter must reach this.",
+    min_accuracy: float = threshold_field(
+        0.5, "The 95 % Wilson lower bound of the exact-match accuracy with the adapter must reach this."
     )
     min_gain: float = Field(
         default=0.0,
@@ -63,22 +60,15 @@ def load_trained(store, adapter_ref: ArtifactRef):
 def adapter_accuracy_meets_threshold(judged: Judged) -> dg.AssetCheckResult:
     """The 95 % Wilson lower bound of the exact-match accuracy with the adapter reaches
     ``checks.min_accuracy``, beside chance (one over the classes)."""
-    metrics, config = judged.ref.metadata["metrics"], judged.settings
-    accuracy, low, bound = metrics["accuracy_adapter"], metrics["accuracy_adapter_ci95_low"], config.min_accuracy
-    n, chance = int(metrics["num_samples"]), metrics.get("chance")
-    return dg.AssetCheckResult(
-        passed=bool(low >= bound),
-        description=f"accuracy {accuracy:.1%} (95% CI lower bound {low:.1%}, n={n}) vs threshold {bound:.1%}"
-        + (f" (chance {chance:.0%})" if chance is not None else "")
-        + small_sample_note(n),
-        metadata={
-            "accuracy_adapter": accuracy,
-            "accuracy_adapter_ci95_low": low,
-            "min_accuracy": bound,
-            "num_samples": n,
-            "too_few_samples": n < MIN_PAIRS,
-            **({"chance": chance} if chance is not None else {}),
-        },
+    metrics = judged.ref.metadata["metrics"]
+    return lower_bound_check(
+        "accuracy_adapter",
+        metrics["accuracy_adapter"],
+        metrics["accuracy_adapter_ci95_low"],
+        ("min_accuracy", judged.settings.min_accuracy),
+        int(metrics["num_samples"]),
+        what="accuracy",
+        chance=metrics.get("chance"),
     )
 
 

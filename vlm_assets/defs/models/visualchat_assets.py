@@ -14,14 +14,13 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged
+from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, lower_bound_check, threshold_field
 from vlm_assets.defs.platform.launcher import numbers
 from vlm_assets.defs.platform.memo import AssetConfig, Built
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.registration import registered_model_asset
 from vlm_assets.defs.platform.tracking import TrackedRun
 from vlm_assets.defs.platform.training import Launch, training_asset
-from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
 from vlm_assets.models import visualchat_card
 from vlm_assets.models.registry import serving_requirements
 from vlm_assets.paths import require_local
@@ -32,13 +31,8 @@ from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfi
 class VQACheckConfig(ProfileDefaults, dg.Config):
     profile_key = "visualchat_model.checks"
 
-    min_exact_match: float = Field(
-        default=0.5,
-        ge=0,
-        le=1,
-        description=(
-            "The 95 % Wilson lower bound of the merged model's VQA exact match on held-out images must reach this."
-        ),
+    min_exact_match: float = threshold_field(
+        0.5, "The 95 % Wilson lower bound of the merged model's VQA exact match on held-out images must reach this."
     )
 
 
@@ -79,24 +73,17 @@ def vqa_exact_match_meets_threshold(judged: Judged) -> dg.AssetCheckResult:
     metrics = judged.ref.metadata["metrics"]
     if "vqa_exact_match" not in metrics:
         return dg.AssetCheckResult(passed=False, description="not measured: eval_images is 0")
-    match, chance, images = metrics["vqa_exact_match"], metrics["vqa_chance"], int(metrics["vqa_images"])
-    low = metrics.get("vqa_exact_match_ci95_low", match)  # a model built before intervals were measured
     phrased = metrics.get("vqa_held_out_phrasings_exact_match")
-    return dg.AssetCheckResult(
-        passed=bool(low >= judged.settings.min_exact_match),
-        description=f"exact match {match:.1%} (95% CI lower bound {low:.1%}) on {images} held-out images vs threshold "
-        f"{judged.settings.min_exact_match:.1%} (chance {chance:.0%})"
-        + (f"; in held-out phrasings {phrased:.1%}" if phrased is not None else "")
-        + small_sample_note(images),
-        metadata={
-            "vqa_exact_match": match,
-            "vqa_exact_match_ci95_low": low,
-            "chance": chance,
-            "min_exact_match": judged.settings.min_exact_match,
-            "num_images": images,
-            "too_few_samples": images < MIN_PAIRS,
-            **({"vqa_held_out_phrasings_exact_match": phrased} if phrased is not None else {}),
-        },
+    return lower_bound_check(
+        "vqa_exact_match",
+        metrics["vqa_exact_match"],
+        metrics.get("vqa_exact_match_ci95_low", metrics["vqa_exact_match"]),  # a model built before intervals
+        ("min_exact_match", judged.settings.min_exact_match),
+        int(metrics["vqa_images"]),
+        what="exact match on held-out images",
+        chance=metrics["vqa_chance"],
+        also=f"; in held-out phrasings {phrased:.1%}" if phrased is not None else "",
+        **({"vqa_held_out_phrasings_exact_match": phrased} if phrased is not None else {}),
     )
 
 

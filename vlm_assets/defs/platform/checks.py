@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+from pydantic import Field
 
+from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
 from vlm_assets.storage import ArtifactRef, ArtifactStore
 
 
@@ -83,3 +85,43 @@ def judge(output: dg.Output[ArtifactRef], checks: Sequence[Check], subject: Judg
             metadata=result.metadata,
             severity=result.severity,
         )
+
+
+def threshold_field(default: float, description: str) -> Any:
+    """A check setting that is a fraction (an accuracy's threshold), refused outside [0, 1] at load."""
+    return Field(default=default, ge=0, le=1, description=description)
+
+
+def lower_bound_check(
+    estimate: str,
+    value: float,
+    low: float,
+    threshold: tuple[str, float],
+    n: int,
+    *,
+    what: str,
+    chance: float | None = None,
+    also: str = "",
+    **metadata: Any,
+) -> dg.AssetCheckResult:
+    """A quality gate on an estimate's 95 % lower bound (a Wilson interval's): it passes when ``low``
+    reaches the threshold (``(its setting's name, its value)``); the description says the estimate, its
+    bound, ``n``, chance beside it, ``also`` (a related figure) and, under ``MIN_PAIRS``, that the
+    interval is too wide to mean much; the metadata carries the same as numbers, named after ``estimate``."""
+    name, bound = threshold
+    return dg.AssetCheckResult(
+        passed=bool(low >= bound),
+        description=f"{what} {value:.1%} (95% CI lower bound {low:.1%}, n={n}) vs threshold {bound:.1%}"
+        + (f" (chance {chance:.0%})" if chance is not None else "")
+        + also
+        + small_sample_note(n),
+        metadata={
+            estimate: value,
+            f"{estimate}_ci95_low": low,
+            name: bound,
+            "num_samples": n,
+            "too_few_samples": n < MIN_PAIRS,
+            **({"chance": chance} if chance is not None else {}),
+            **metadata,
+        },
+    )
