@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+DEMO_SEED = 7  # the demo's own run, the profile's defaults: the adapter's seed 7 (VisualChat's 0)
 
 
 def execute(env: dict, config: Path | None) -> float:
@@ -70,9 +71,10 @@ def main() -> None:
     env.pop("MLFLOW_TRACKING_URI", None)
 
     rows, times = [], {}
+    fresh = not (home / "artifacts").exists()  # a home an earlier bench filled: data and GPT are cache hits
     for n, seed in enumerate(args.seeds):
         config = None
-        if n:
+        if seed != DEMO_SEED:
             config = home / f"seed-{seed}.yaml"
             config.write_text(
                 json.dumps(
@@ -86,7 +88,8 @@ def main() -> None:
             )
         seconds = execute(env, config)
         times[
-            f"main_job, training seed {seed}" + (" (first run, fresh home)" if n == 0 else " (data and GPT cached)")
+            f"main_job, training seed {seed}"
+            + (" (first run, fresh home)" if n == 0 and fresh else " (data and GPT cached)")
         ] = seconds
         if n == 0:
             times["main_job rerun (every asset a cache hit)"] = execute(env, None)
