@@ -1,6 +1,5 @@
 """``occlusion_manifests``: images with one seeded black rectangle each, and its data-quality checks."""
 
-import base64
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal, Self
@@ -201,7 +200,6 @@ def occlusion_manifests(
         splits = summary["splits"]
         preview = staging / "preview.png"
         occlusion_preview(staging).save(preview)
-        run.log_artifact(str(preview))
         return Built(
             scan=occlusion_checks.scan(staging, bounds),
             metrics={"num_train": splits["train"]["num_images"], "num_validation": splits["validation"]["num_images"]},
@@ -210,10 +208,7 @@ def occlusion_manifests(
                 "class_names": ", ".join(summary["class_names"]),
                 "image_size": f"{splits['train']['width']}x{splits['train']['height']}x{splits['train']['channels']}",
             },
-            markdown={
-                "preview": "![first training images with their boxes](data:image/png;base64,"
-                f"{base64.b64encode(preview.read_bytes()).decode()})"
-            },
+            markdown={"preview": run.log_image(preview, "first training images with their boxes")},
         )
 
     yield from materialize_memoized(context, artifact_store, mlflow, config, build, checks=CHECKS)

@@ -7,7 +7,6 @@ it trains; the key hashes only identity fields, so a retry, or a rerun with a lo
 topology, resumes from the newest intact one.
 """
 
-import base64
 import json
 import math
 import tempfile
@@ -99,7 +98,6 @@ def report(launch: Launch, values: dict) -> Built:
         f"GPT {config.preset}, {config.strategy}, {config.num_nodes}x{config.nproc_per_node} processes",
     )
     (staging / "loss_curve.png").write_bytes(png)
-    launch.run.log_artifact(str(staging / "loss_curve.png"))
     return Built(
         scan=export_scan(staging, launch.upstream["token_shards"].uri),
         metrics=numbers(values),
@@ -108,7 +106,7 @@ def report(launch: Launch, values: dict) -> Built:
             **{k: values[k] for k in ("strategy", "precision", "backend")},
             "vocab_size": vocab,
         },
-        markdown={"loss_curve": f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"},
+        markdown={"loss_curve": launch.run.log_image(staging / "loss_curve.png", "loss curve")},
     )
 
 

@@ -7,7 +7,6 @@ and the launch's paths into a run file, lets the launcher run ``vlm_assets.train
 every process, and commits what rank 0 wrote.
 """
 
-import base64
 import json
 from pathlib import Path
 
@@ -155,8 +154,7 @@ def report_markdown(staging: Path, run: TrackedRun, config: VisualChatAssetConfi
         baseline_label="held-out loss untrained",
     )
     (staging / "loss_curve.png").write_bytes(png)
-    run.log_artifact(str(staging / "loss_curve.png"))
-    markdown = {"loss_curve": f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})"}
+    markdown = {"loss_curve": run.log_image(staging / "loss_curve.png", "loss curve")}
     if (staging / "eval.json").is_file():
         run.log_artifact(str(staging / "eval.json"))
         result = json.loads((staging / "eval.json").read_text())

@@ -1,5 +1,6 @@
 """MLflow tracking as a Dagster resource: a thin ``ConfigurableResource`` over ``MlflowClient``."""
 
+import base64
 import contextlib
 import fcntl
 import time
@@ -60,6 +61,12 @@ class TrackedRun:
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, path, artifact_path)
+
+    def log_image(self, path: Path, alt: str) -> str:
+        """Log the PNG file at ``path`` as an artifact of this run; return it as an inline Markdown image
+        (``Built.markdown``: the Dagster UI shows it beside the asset)."""
+        self.log_artifact(str(path))
+        return f"![{alt}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
 
     def log_figure(self, figure: Any, name: str) -> None:
         self.client.log_figure(self.run_id, figure, name)
