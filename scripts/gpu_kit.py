@@ -46,6 +46,7 @@ PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x8
 WHEELS = (
     "hjson", "py-cpuinfo", "ninja", "msgpack", "einops",  # deepspeed's own
     "dagster-pipes",  # the trainers' reporter
+    "torchdata",  # VisualChat's resumable loader
     "mosaicml-streaming", "brotli", "python-snappy", "cramjam", "xxhash", "zstd", "catalogue",  # token shards
 )  # fmt: skip
 SDISTS = ("deepspeed",)

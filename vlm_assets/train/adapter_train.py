@@ -10,7 +10,6 @@ committed to the artifact store; a relaunch resumes from the newest intact one. 
 ``adapter.safetensors`` and ``history.json`` into ``out_dir`` and reports through Pipes.
 """
 
-import argparse
 import functools
 import json
 import warnings
@@ -19,15 +18,15 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies import DDPStrategy
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 from vlm_assets.data.occlusion_dataset import OcclusionSamples, collate
-from vlm_assets.storage.disk import staged_write
 from vlm_assets.train.adapter_config import AdapterTrainConfig
 from vlm_assets.train.adapter_module import AdapterModule
-from vlm_assets.train.checkpoints import CHECKPOINT_FILE, CHECKPOINT_NAME, StoreCheckpointIO
+from vlm_assets.train.checkpoints import CHECKPOINT_NAME, StoreCheckpointIO
+from vlm_assets.train.deepspeed_store import deepspeed_strategy
 from vlm_assets.train.entry import TrainerRun, backend, entry_point
 from vlm_assets.train.reporting import Reporter, process_group_backend
 
@@ -106,8 +105,7 @@ class EpochHistory(L.Callback):
 def build_trainer(run: TrainerRun[AdapterTrainConfig], callbacks, checkpoint_io: StoreCheckpointIO) -> L.Trainer:
     config, cuda = run.config, torch.cuda.is_available()
     if config.resolved_strategy(cuda) == "deepspeed":
-        deepspeed = StoreDeepSpeedStrategy if cuda else CPUStoreDeepSpeedStrategy
-        strategy = deepspeed(checkpoint_io, stage=2, exclude_frozen_parameters=True)
+        strategy = deepspeed_strategy(checkpoint_io, stage=2, exclude_frozen_parameters=True)
     else:
         strategy = DDPStrategy(process_group_backend=backend(), checkpoint_io=checkpoint_io)
     return run.trainer(
@@ -117,53 +115,6 @@ def build_trainer(run: TrainerRun[AdapterTrainConfig], callbacks, checkpoint_io:
         accumulate_grad_batches=config.accumulation(run.world),
         gradient_clip_val=config.grad_clip or None,
     )
-
-
-class StoreDeepSpeedStrategy(DeepSpeedStrategy):
-    """DeepSpeed writes its checkpoints itself (a directory every rank writes its shards into), never
-    through a ``CheckpointIO``: the directory is committed the same way once all ranks have written it."""
-
-    def __init__(self, checkpoint_io: StoreCheckpointIO, **kwargs):
-        super().__init__(**kwargs)
-        self.committer = checkpoint_io
-
-    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        local = Path(self.broadcast(str(Path(filepath).with_suffix(""))))
-        with staged_write(local, f"checkpoint step {checkpoint['global_step']}"):
-            super().save_checkpoint(checkpoint, local / CHECKPOINT_FILE, storage_options)
-        self.barrier("deepspeed checkpoint written")
-        if self.is_global_zero:
-            self.committer.commit(local, checkpoint["global_step"], checkpoint["epoch"])
-
-
-class CPUStoreDeepSpeedStrategy(StoreDeepSpeedStrategy):
-    """The same on CPU (DS_ACCELERATOR=cpu, gloo), as CI runs the seed's GPU path (test_seedshape.py).
-    Lightning refuses any accelerator but CUDA in its set-up (a check, and GPU indices per rank), while
-    DeepSpeed itself runs ZeRO on CPU: these three steps do what Lightning's do, minus the CUDA parts."""
-
-    def setup_environment(self) -> None:
-        DDPStrategy.setup_environment(self)  # the device, then setup_distributed below
-
-    def setup_distributed(self) -> None:
-        from lightning.fabric.utilities.seed import reset_seed
-
-        reset_seed()
-        self.set_world_ranks()
-        self._init_deepspeed_distributed()
-
-    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
-        import deepspeed
-
-        engine, optimizer, _, _ = deepspeed.initialize(  # Lightning passes the device's index: None on CPU
-            args=argparse.Namespace(device_rank=self.local_rank),
-            config=self.config,
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-        )
-        return engine, optimizer
 
 
 def train(run: TrainerRun[AdapterTrainConfig]) -> None:

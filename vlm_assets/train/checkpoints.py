@@ -101,7 +101,7 @@ class StepCheckpoint(ModelCheckpoint):
       last saved step is not part of its checkpointed state).
     """
 
-    def __init__(self, staging: Path, *, every: int, val_every: int):
+    def __init__(self, staging: Path, *, every: int, val_every: int | None = None):
         super().__init__(
             dirpath=staging,
             filename=CHECKPOINT_NAME,
@@ -113,7 +113,7 @@ class StepCheckpoint(ModelCheckpoint):
         self.every, self.val_every = every, val_every
 
     def _validates(self, step: int) -> bool:
-        return step % self.val_every == 0
+        return self.val_every is not None and step % self.val_every == 0
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)

@@ -125,9 +125,9 @@ class TrainingHistory(L.Callback):
     """Per-step train loss and learning rate, per-validation val loss, kept for ``history.json`` and
     the loss plot; the step's metrics are logged through the trainer's loggers, which report them
     every ``log_every_n_steps``. Its state is saved in every checkpoint, so a resumed run's history
-    covers the whole run."""
+    covers the whole run. ``tokens_per_step`` None: the steps' sizes vary, no tokens/s is logged."""
 
-    def __init__(self, reporter: Reporter, max_steps: int, tokens_per_step: int):
+    def __init__(self, reporter: Reporter, max_steps: int, tokens_per_step: int | None):
         self.reporter, self.max_steps, self.tokens_per_step = reporter, max_steps, tokens_per_step
         self.train: list[dict[str, float]] = []
         self.val: list[dict[str, float]] = []
@@ -153,15 +153,10 @@ class TrainingHistory(L.Callback):
         self.train.append({"step": step, "loss": loss, "lr": lr})
         # ThroughputMonitor would report tokens/s only once its 100-batch window fills; "step" sets
         # the loggers' x-axis to the optimizer step (Lightning's default is one less here).
-        pl_module.log_dict(
-            {
-                "train/loss": loss,
-                "train/perplexity": math.exp(min(loss, MAX_LOG_PPL_LOSS)),
-                "train/lr": lr,
-                "train/tokens_per_s": self.tokens_per_s(step),
-                "step": float(step),
-            }
-        )
+        metrics = {"train/loss": loss, "train/perplexity": math.exp(min(loss, MAX_LOG_PPL_LOSS)), "train/lr": lr}
+        if self.tokens_per_step is not None:
+            metrics["train/tokens_per_s"] = self.tokens_per_s(step)
+        pl_module.log_dict({**metrics, "step": float(step)})
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:

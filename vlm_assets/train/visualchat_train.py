@@ -1,39 +1,47 @@
-"""VisualChat training entry point: the plain DeepSpeed engine (ZeRO-2 or 3), LoRA on the decoder, then
-LoRA merged and the whole model exported. One process per device, started by torchrun or the launcher:
+"""VisualChat training entry point: Lightning's ``DeepSpeedStrategy`` (ZeRO-2 or 3), LoRA on the decoder,
+then LoRA merged and the whole model exported. One process per device, started by torchrun or the launcher:
 
     torchrun --nnodes=1 --nproc-per-node=2 -m vlm_assets.train.visualchat_train --config run.json
 
-``run.json`` holds a ``VisualChatTrainConfig`` and ``RunPaths`` (input ``occlusion_manifests``, optional).
-bf16 on GPUs (NCCL), fp32 on CPU (gloo). Every ``checkpoint_every`` steps the engine's checkpoint
-(module, optimizer, scheduler, global step and data position) is committed to the artifact store; a
-relaunch resumes from the newest intact one at the same step and data position, so the loss curve
-continues exactly (LoRA dropout 0: nothing random is left to carry). At the end rank 0 gathers the
-weights (from the ZeRO-3 partitions too), merges LoRA into the decoder, checks the merged model
-against the unmerged one on a fixed batch, writes ``model/`` (``VisualChatModel.save_pretrained``) and
-``history.json`` into ``out_dir``, reloads that export and measures its VQA exact match on held-out
+``run.json`` holds a ``VisualChatTrainConfig`` and ``RunPaths`` (inputs ``occlusion_manifests``, optional,
+and ``decoder`` when the asset resolved the in-graph GPT). bf16 on GPUs (NCCL), fp32 on CPU (gloo). The
+data order is ``DistributedSampler``'s (seeded, reshuffled per epoch) through torchdata's
+``StatefulDataLoader``, whose position Lightning saves in every checkpoint. Every ``checkpoint_every``
+steps the checkpoint (trained weights, optimizer, scheduler, loop and loader state, history) is committed
+to the artifact store; a relaunch resumes from the newest intact one at the same step and data position,
+so the loss curve continues exactly (LoRA dropout 0: nothing random is left to carry). At the end rank 0
+gathers the weights (from the ZeRO-3 partitions too), merges LoRA into the decoder, checks the merged
+model against the unmerged one on a fixed batch, writes ``model/`` (``VisualChatModel.save_pretrained``)
+and ``history.json`` into ``out_dir``, reloads that export and measures its VQA exact match on held-out
 validation images of the manifests with a two-image conversation (``eval.json``), and reports through
 Pipes.
 """
 
+import contextlib
+import functools
 import json
+import math
 import os
 import shutil
 import time
 import warnings
 from pathlib import Path
 
+import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch.utils.data import Dataset, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vlm_assets.data import visualchat_data as vd
 from vlm_assets.launch.spec import InputRefused
 from vlm_assets.models.visualchat import VisualChatModel, decoder_positions
 from vlm_assets.models.visualchat_attention import attention_layout
-from vlm_assets.storage.disk import staged_write
-from vlm_assets.train.checkpoints import StoreCheckpointIO
-from vlm_assets.train.entry import TrainerRun, backend, entry_point
-from vlm_assets.train.reporting import Reporter, process_group_backend
+from vlm_assets.train.checkpoints import StepCheckpoint
+from vlm_assets.train.deepspeed_store import deepspeed_strategy
+from vlm_assets.train.entry import TrainerRun, entry_point
+from vlm_assets.train.reporting import Reporter, TrainingHistory, process_group_backend
 from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfig
 
 EVAL_BATCH = 4
@@ -42,6 +50,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else
 # DeepSpeed's ZeRO calls torch collectives that torch deprecated (all_gather_into_tensor,
 # reduce_scatter_tensor): nothing of ours to change.
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+# The frozen encoder and decoder are kept in eval mode on purpose (no dropout): Lightning's warning
+# about modules in eval mode at the start of training is about exactly that.
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+warnings.filterwarnings("ignore", message=".*does not have many workers.*")  # rows are in memory
+# torchdata 0.11 (its latest) calls torch's telemetry hook set_vital, which torch 2.13 deprecated.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 def build_model(config: VisualChatTrainConfig) -> VisualChatModel:
@@ -111,174 +125,153 @@ def build_samples(config: VisualChatTrainConfig, model: VisualChatModel, manifes
     return rows, evaluation
 
 
-def deepspeed_config(config: VisualChatTrainConfig, world: int) -> dict:
-    cuda = torch.cuda.is_available()
-    return {
-        "train_micro_batch_size_per_gpu": config.micro_batch_size,
-        "gradient_accumulation_steps": config.accumulation(world),
-        "gradient_clipping": config.grad_clip,
-        "zero_optimization": {"stage": config.zero_stage},
-        "bf16": {"enabled": cuda},
-        # a torch optimizer: DeepSpeed's own Adam builds a C++ op on first use (~1 min on CPU)
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+class Rows(Dataset):
+    """The packed rows, an epoch rounded up to whole optimizer steps by repeating the first rows (as
+    ``DistributedSampler`` rounds up to whole ranks): Lightning counts an optimizer step every
+    ``accumulation`` batches of an epoch, DeepSpeed every ``accumulation`` batches of the run, and the
+    two agree only when an epoch is a whole number of steps."""
+
+    def __init__(self, rows: list[list[vd.Sample]], global_batch: int):
+        self.rows, self.length = rows, math.ceil(len(rows) / global_batch) * global_batch
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> list[vd.Sample]:
+        return self.rows[index % len(self.rows)]
 
 
-class RowOrder:
-    """Which rows micro-batch ``n`` of rank ``r`` takes: a seeded permutation per pass over the data, the
-    micro-batches of one optimizer step spread over the ranks. The position (micro-batches taken per
-    rank) is all a resumed run needs to continue with the same rows."""
+class VisualChatModule(L.LightningModule):
+    """The model's own loss (answer tokens), AdamW with a linear warm-up, the held-out loss before
+    training (kept in the checkpoint) and the non-padding tokens trained on."""
 
-    def __init__(self, num_rows: int, micro: int, world: int, rank: int, seed: int):
-        self.num_rows, self.micro, self.world, self.rank, self.seed = num_rows, micro, world, rank, seed
+    def __init__(self, config: VisualChatTrainConfig, evaluation: list[vd.Sample], log):
+        super().__init__()
+        self.config, self.evaluation, self.log_line = config, evaluation, log
+        self.model = build_model(config)
+        self.strict_loading = False  # checkpoints hold the trained weights only (exclude_frozen_parameters)
+        self.step_losses: list[float] = []  # this optimizer step's micro-batch losses, over all ranks
+        self.baseline_eval_loss: float | None = None
+        self.tokens = 0
+        # The attention layout is held from the batch's start to its end: with gradient checkpointing the
+        # forward is recomputed inside backward, which Lightning runs outside training_step.
+        self._layout = contextlib.ExitStack()
 
-    def rows(self, position: int) -> list[int]:
-        per_pass = max(self.num_rows // (self.micro * self.world), 1)
-        epoch, slot = divmod(position, per_pass)
-        order = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
-        start = (slot * self.world + self.rank) * self.micro
-        return [order[(start + i) % self.num_rows] for i in range(self.micro)]
+    def on_train_start(self) -> None:
+        if self.baseline_eval_loss is None:
+            self.baseline_eval_loss = evaluate(self.model, self.evaluation, self.device)
+            self.log_line(f"eval loss before training (projection at init, LoRA zero): {self.baseline_eval_loss:.4f}")
+
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        self._layout.enter_context(attention_layout(self.model.layout(batch["input_ids"], batch["segments"])))
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.step_losses.append(float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")))  # the history
+        self.tokens += int((batch["segments"] > 0).sum())
+        return loss
+
+    def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
+        self._layout.close()
+
+    def configure_optimizers(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
+        warmup = self.config.warmup_steps
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["baseline_eval_loss"] = self.baseline_eval_loss
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.baseline_eval_loss = checkpoint["baseline_eval_loss"]
 
 
 def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
-    import deepspeed
-
-    config, paths, rank, reporter = run.config, run.paths, run.rank, run.reporter
+    config, paths, reporter = run.config, run.paths, run.reporter
     if config.decoder == GPT_DECODER:  # the asset resolved the in-graph GPT export to a directory
         config = config.model_copy(update={"decoder": paths.input("decoder")})
-    cuda = torch.cuda.is_available()
-    if cuda:  # NCCL bound to this rank's GPU (DeepSpeed's init_distributed takes no device; unbound, barriers warn)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    deepspeed.init_distributed(dist_backend=backend())  # uses the group above when there is one
-    world = dist.get_world_size()
-    model = build_model(config)
+    L.seed_everything(config.seed, verbose=False)
+    module = VisualChatModule(config, [], reporter.log)
+    model = module.model
     manifests = Path(paths.inputs["occlusion_manifests"]) if "occlusion_manifests" in paths.inputs else None
     try:
-        rows, evaluation = build_samples(config, model, manifests)
+        rows, module.evaluation = build_samples(config, model, manifests)
     except (ValueError, FileNotFoundError) as err:  # a bad record or sample, named: every rank sees the same
         raise InputRefused(f"{type(err).__name__}: {err}") from None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     reporter.log(
-        f"visualchat: {len(rows)} train rows, {len(evaluation)} eval samples; trains "
+        f"visualchat: {len(rows)} train rows, {len(module.evaluation)} eval samples; trains "
         f"{', '.join(config.trained_modules())}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} "
-        f"parameters; ZeRO-{config.zero_stage}, {world} process(es)"
+        f"parameters; ZeRO-{config.zero_stage}, {run.world} process(es)"
     )
-    pad, size = model.tokenizer.pad_token_id, model.encoder.image_size
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (config.warmup_steps + 1)))
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=schedule,
-        model_parameters=params,
-        config=deepspeed_config(config, world),
+    data = Rows(rows, config.global_batch_size)
+    loader = StatefulDataLoader(
+        data,
+        batch_size=config.micro_batch_size,
+        sampler=DistributedSampler(data, num_replicas=run.world, rank=run.rank, shuffle=True, seed=config.seed),
+        collate_fn=functools.partial(
+            vd.collate, pad_id=model.tokenizer.pad_token_id, image_size=model.encoder.image_size
+        ),
     )
-    committer = run.checkpoint_io(keep_last=2)
-    state = {"step": 0, "position": 0, "history": [], "baseline_eval_loss": None, "resumed_from_step": None}
-    found = run.latest_checkpoint()
-    if found is not None:
-        directory = found[1].parent
-        # the tag its `latest` file names; the frozen weights are not in it (below): they are the model's as built
-        _, client = engine.load_checkpoint(str(directory), load_module_strict=False)
-        state.update(client["visualchat"], resumed_from_step=client["visualchat"]["step"])
-        reporter.log(f"resumed at step {state['step']} from {found[0]}")
-    if state["baseline_eval_loss"] is None:
-        state["baseline_eval_loss"] = evaluate(engine, evaluation, pad, size)
-        reporter.log(f"eval loss before training (projection at init, LoRA zero): {state['baseline_eval_loss']:.4f}")
-    order = RowOrder(len(rows), config.micro_batch_size, world, rank, config.seed)
-    accumulation = config.accumulation(world)
-    loggers = reporter.loggers()
-    started, start_step, tokens = time.perf_counter(), state["step"], torch.zeros((), device=engine.device)
-    while state["step"] < config.max_steps:
-        losses = []
-        for _ in range(accumulation):
-            rows_now = [rows[i] for i in order.rows(state["position"])]
-            batch = move_data_to_device(vd.collate(rows_now, pad, size), engine.device)
-            state["position"] += 1
-            with attention_layout(model.layout(batch["input_ids"], batch["segments"])):  # backward recomputes
-                loss = engine(**batch).loss
-                engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach())
-            tokens += (batch["segments"] > 0).sum()
-        step_loss = torch.stack(losses).mean()
-        dist.all_reduce(step_loss)
-        state["step"] += 1
-        state["history"].append({"step": state["step"], "loss": float(step_loss) / world})
-        if state["step"] % config.log_every == 0 or state["step"] == config.max_steps:
-            for logger in loggers:
-                logger.log_metrics(
-                    {"train/loss": state["history"][-1]["loss"], "train/lr": schedule.get_last_lr()[0]},
-                    step=state["step"],
-                )
-        if state["step"] % config.checkpoint_every == 0 or state["step"] == config.max_steps:
-            save_checkpoint(engine, state, run.cache, committer, rank)
+    history = TrainingHistory(reporter, config.max_steps, tokens_per_step=None)
+    checkpoints = StepCheckpoint(run.cache / "staging", every=config.checkpoint_every)
+    trainer = run.trainer(
+        deepspeed_strategy(run.checkpoint_io(keep_last=2), stage=config.zero_stage, exclude_frozen_parameters=True),
+        [history, checkpoints],
+        max_steps=config.max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=config.accumulation(run.world),
+        gradient_clip_val=config.grad_clip or None,
+        use_distributed_sampler=False,  # the loader's own DistributedSampler
+    )
+    resume = run.latest_checkpoint()
+    started = time.perf_counter()
+    run.fit(trainer, module, resume, train_dataloaders=loader)
     elapsed = time.perf_counter() - started
-    dist.all_reduce(tokens)  # tokens that are not padding, over every rank, in this attempt's steps
-    eval_loss = evaluate(engine, evaluation, pad, size)
+    tokens = float(trainer.strategy.reduce(torch.tensor(float(module.tokens), device=module.device), reduce_op="sum"))
+    eval_loss = evaluate(model, module.evaluation, module.device)
     export(
-        engine,
+        model,
         config,
-        evaluation,
-        rank,
+        module.evaluation,
+        run.rank,
         Path(paths.out_dir),
         reporter,
         manifests,
         {
             "eval_loss": eval_loss,
-            "baseline_eval_loss": state["baseline_eval_loss"],
-            "steps": state["step"],
-            "tokens_per_s": float(tokens) / elapsed if state["step"] > start_step else 0.0,
-            "train_loss": state["history"][-1]["loss"],
+            "baseline_eval_loss": module.baseline_eval_loss,
+            "steps": trainer.global_step,
+            "tokens_per_s": tokens / elapsed if module.tokens else 0.0,
+            "train_loss": history.train[-1]["loss"],
             "trainable_parameters": trainable,
-            "resumed_from_step": -1 if state["resumed_from_step"] is None else state["resumed_from_step"],
+            "resumed_from_step": -1 if history.resumed_from_step is None else history.resumed_from_step,
             "backend": process_group_backend(),
-            "param_dtype": str(next(engine.module.parameters()).dtype).removeprefix("torch."),
+            "param_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         },
-        state["history"],
+        history.train,
     )
 
 
-def save_checkpoint(engine, state: dict, cache: Path, committer: StoreCheckpointIO, rank: int) -> None:
-    """The engine's checkpoint (every rank writes its shards into one directory on this node), then
-    committed by rank 0 as ``<prefix>/step-<N>``. Multi-node runs need that directory on a shared volume."""
-    local = [str(cache / "staging")] if rank == 0 else [None]
-    dist.broadcast_object_list(local, src=0)
-    tag = f"step-{state['step']:08d}"
-    # Trained weights only: a frozen 7B decoder would make every checkpoint 14 GB, a LoRA one is megabytes.
-    staging = Path(local[0]) / tag
-    with staged_write(staging, f"checkpoint step {state['step']}"):
-        engine.save_checkpoint(
-            str(staging), tag=tag, client_state={"visualchat": dict(state)}, exclude_frozen_parameters=True
-        )
-    dist.barrier()
-    if rank == 0:
-        committer.commit(staging, state["step"], 0)
-    dist.barrier()
-
-
 @torch.no_grad()
-def evaluate(engine, samples: list[vd.Sample], pad: int, size: int) -> float:
+def evaluate(model: VisualChatModel, samples: list[vd.Sample], device: torch.device) -> float:
     """Mean answer-token loss over the held-out samples (every rank the same, sharded or not)."""
-    engine.eval()
+    model.eval()
+    pad, size = model.tokenizer.pad_token_id, model.encoder.image_size
     total, count = 0.0, 0
     for at in range(0, len(samples), EVAL_BATCH):
-        chunk = samples[at : at + EVAL_BATCH]
-        batch = move_data_to_device(vd.collate([[s] for s in chunk], pad, size), engine.device)
+        batch = move_data_to_device(vd.collate([[s] for s in samples[at : at + EVAL_BATCH]], pad, size), device)
         tokens = int((batch["labels"][:, 1:] != vd.IGNORE_INDEX).sum())
-        total += float(engine(**batch).loss) * tokens
+        total += float(model(**batch).loss) * tokens
         count += tokens
-    engine.train()
+    model.train()
     return total / max(count, 1)
 
 
 def export(
-    engine,
+    model: VisualChatModel,
     config: VisualChatTrainConfig,
     evaluation: list[vd.Sample],
     rank: int,
@@ -292,10 +285,8 @@ def export(
     save the merged model, and evaluate the saved model as a user loads it (``eval.json``)."""
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-        weights = (
-            {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()} if rank == 0 else None
-        )
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        weights = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()} if rank == 0 else None
     if rank == 0:
         replica = build_model(config)
         replica.load_state_dict(weights)
