@@ -152,7 +152,7 @@ class VisualChatModule(L.LightningModule):
         self.strict_loading = False  # checkpoints hold the trained weights only (exclude_frozen_parameters)
         self.step_losses: list[float] = []  # this optimizer step's micro-batch losses, over all ranks
         self.baseline_eval_loss: float | None = None
-        self.tokens = 0
+        self.tokens, self.started = 0, 0.0  # this attempt's trained tokens (non-padding), from when it started
         # The attention layout is held from the batch's start to its end: with gradient checkpointing the
         # forward is recomputed inside backward, which Lightning runs outside training_step.
         self._layout = contextlib.ExitStack()
@@ -161,6 +161,7 @@ class VisualChatModule(L.LightningModule):
         if self.baseline_eval_loss is None:
             self.baseline_eval_loss = evaluate(self.model, self.evaluation, self.device)
             self.log_line(f"eval loss before training (projection at init, LoRA zero): {self.baseline_eval_loss:.4f}")
+        self.started = time.perf_counter()
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         self._layout.enter_context(attention_layout(self.model.layout(batch["input_ids"], batch["segments"])))
@@ -227,9 +228,10 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
         use_distributed_sampler=False,  # the loader's own DistributedSampler
     )
     resume = run.latest_checkpoint()
-    started = time.perf_counter()
     run.fit(trainer, module, resume, train_dataloaders=loader)
-    elapsed = time.perf_counter() - started
+    elapsed = time.perf_counter() - module.started
+    if resume and history.resumed_from_step is None:  # resumed at max_steps: Lightning starts no training
+        history.resumed_from_step = trainer.global_step
     tokens = float(trainer.strategy.reduce(torch.tensor(float(module.tokens), device=module.device), reduce_op="sum"))
     eval_loss = evaluate(model, module.evaluation, module.device)
     export(
