@@ -88,8 +88,6 @@ def train(run: TrainerRun[PretrainConfig]) -> None:
         + (f"resuming from {resume[0]}" if resume else "starting from scratch")
     )
     run.fit(trainer, module, resume, datamodule=data)
-    if resume and history.resumed_from_step is None:  # resumed at max_steps: Lightning starts no training
-        history.resumed_from_step = int(resume[0].rsplit("step-", 1)[1])
     tokens_per_s = history.tokens_per_s(trainer.global_step)
     if history.val and history.val[-1]["step"] == trainer.global_step:  # fit validated at its last step
         final_val = history.val[-1]["loss"]

@@ -138,7 +138,6 @@ class TrainingHistory(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._started, self._start_step = time.perf_counter(), trainer.global_step
         if trainer.global_step:
-            self.resumed_from_step = trainer.global_step
             self.reporter.log(f"resumed at step {trainer.global_step} (epoch {trainer.current_epoch})")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -178,7 +177,10 @@ class TrainingHistory(L.Callback):
         return {"train": self.train, "val": self.val}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restored from a checkpoint, whose step is the history's last: the resumed step, also when the
+        checkpoint is the final one (Lightning then starts no training, and no ``on_train_start``)."""
         self.train, self.val = state["train"], state["val"]
+        self.resumed_from_step = self.train[-1]["step"] if self.train else 0
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({"train": self.train, "val": self.val, "resumed_from_step": self.resumed_from_step}))

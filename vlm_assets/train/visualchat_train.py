@@ -145,10 +145,9 @@ class VisualChatModule(L.LightningModule):
     """The model's own loss (answer tokens), AdamW with a linear warm-up, the held-out loss before
     training (kept in the checkpoint) and the non-padding tokens trained on."""
 
-    def __init__(self, config: VisualChatTrainConfig, evaluation: list[vd.Sample], log):
+    def __init__(self, config: VisualChatTrainConfig, model: VisualChatModel, evaluation: list[vd.Sample], log):
         super().__init__()
-        self.config, self.evaluation, self.log_line = config, evaluation, log
-        self.model = build_model(config)
+        self.config, self.model, self.evaluation, self.log_line = config, model, evaluation, log
         self.strict_loading = False  # checkpoints hold the trained weights only (exclude_frozen_parameters)
         self.step_losses: list[float] = []  # this optimizer step's micro-batch losses, over all ranks
         self.baseline_eval_loss: float | None = None
@@ -194,16 +193,16 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     if config.decoder == GPT_DECODER:  # the asset resolved the in-graph GPT export to a directory
         config = config.model_copy(update={"decoder": paths.input("decoder")})
     L.seed_everything(config.seed, verbose=False)
-    module = VisualChatModule(config, [], reporter.log)
-    model = module.model
+    model = build_model(config)
     manifests = Path(paths.inputs["occlusion_manifests"]) if "occlusion_manifests" in paths.inputs else None
     try:
-        rows, module.evaluation = build_samples(config, model, manifests)
+        rows, evaluation = build_samples(config, model, manifests)
     except (ValueError, FileNotFoundError) as err:  # a bad record or sample, named: every rank sees the same
         raise InputRefused(f"{type(err).__name__}: {err}") from None
+    module = VisualChatModule(config, model, evaluation, reporter.log)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     reporter.log(
-        f"visualchat: {len(rows)} train rows, {len(module.evaluation)} eval samples; trains "
+        f"visualchat: {len(rows)} train rows, {len(evaluation)} eval samples; trains "
         f"{', '.join(config.trained_modules())}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} "
         f"parameters; ZeRO-{config.zero_stage}, {run.world} process(es)"
     )
@@ -230,14 +229,12 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     resume = run.latest_checkpoint()
     run.fit(trainer, module, resume, train_dataloaders=loader)
     elapsed = time.perf_counter() - module.started
-    if resume and history.resumed_from_step is None:  # resumed at max_steps: Lightning starts no training
-        history.resumed_from_step = trainer.global_step
     tokens = float(trainer.strategy.reduce(torch.tensor(float(module.tokens), device=module.device), reduce_op="sum"))
-    eval_loss = evaluate(model, module.evaluation, module.device)
+    eval_loss = evaluate(model, evaluation, module.device)
     export(
         model,
         config,
-        module.evaluation,
+        evaluation,
         run.rank,
         Path(paths.out_dir),
         reporter,
