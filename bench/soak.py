@@ -1,34 +1,41 @@
-"""Faults at random, nothing lost: a bounded, seeded fault-injection soak of ``gpt_checkpoint``.
+"""Faults at random, nothing lost: a bounded, seeded fault-injection soak of ``gpt_checkpoint`` and
+``visualchat_model``.
 
     python bench/soak.py --runs 6 --seed 1                 # CI size: 24 steps, a checkpoint every 6
     python bench/soak.py --runs 4 --seed 2 --demo          # the demo profile's GPT (40 steps, 256 tokens)
+    python bench/soak.py --runs 6 --seed 3 --assets gpt_checkpoint visualchat_model   # in turn
 
-One uninterrupted reference run, then ``--runs`` materializations of the same config, each into a
-fresh prefix of a real S3 server (moto, on loopback) behind a fault proxy, through the real launcher
-(2 torchrun nodes of 1 process) and Dagster's RetryPolicy. Each run gets 1 or 2 faults from a
-schedule drawn from ``--seed``, each fired once a checkpoint at or past a drawn step is committed:
+One uninterrupted reference run of each asset, then ``--runs`` materializations of the same configs
+(the assets in turn), each into a fresh prefix of a real S3 server (moto, on loopback) behind a fault
+proxy, through the real launcher and Dagster's RetryPolicy: ``gpt_checkpoint`` (with its ``token_shards``)
+on 2 torchrun nodes of 1 process, DDP (24 steps, a checkpoint every 6); ``visualchat_model`` (with its
+``occlusion_manifests``: 80 Fashion-MNIST images) with a tiny CLIP and a tiny GPT-2 on 1 node of 2
+processes, ZeRO-2 (24 steps, a checkpoint every 4; ``--demo``: 48 every 8). Each run gets 1 or 2 faults
+from a schedule drawn from ``--seed``, each fired once a checkpoint at or past a drawn step is committed:
 a SIGKILL of a training worker or of a torchrun agent, the S3 server answering 500 or dropping the
 connection for the next 1-8 writes (a checkpoint's or the final commit's; boto3 retries 4 times on its
 own, so a longer outage reaches the retry rule), the run's scratch disk filled up until the attempt
 that meets it has ended (its next checkpoint write fails: the retry rule's ``disk_full``), or the MLflow
-server (a real one, on loopback behind the same kind of proxy) refusing every request for 5-60 s. Each run's
-scratch (``runs/``, where checkpoints are staged) is a 256 MiB tmpfs: the soak runs itself in a private
-mount namespace (``unshare``), so nothing outside it sees the mounts. A reader polls the store all along.
+server (a real one, on loopback behind the same kind of proxy) refusing every request for 5-60 s. Each
+run's scratch (``runs/``, where checkpoints are staged) is a 256 MiB tmpfs: the soak runs itself in a
+private mount namespace (``unshare``), so nothing outside it sees the mounts. A reader polls the store
+all along.
 
 More faults than the RetryPolicy's 2 retries fail the run: the soak then runs the same key again, as
 a user or the schedule would, up to twice (a relaunch, counted as a retry).
 
-Invariants checked after every run (any violation: exit 1): it ended with exactly one
-materialization and one committed key; its val loss equals the reference's within 1e-5 (the
-README's resume tolerance); every kill resumed from the last checkpoint committed before it (lost
-work < one checkpoint interval); no training process, lease, scratch directory or RUNNING MLflow run
-is left; the reader never saw a committed key whose files disagree with its manifest.
+Invariants checked after every run (any violation: exit 1): it ended with exactly one materialization
+and one committed key; its loss (GPT's val loss, VisualChat's held-out loss of the merged model) equals
+the reference's within 1e-5 (the README's resume tolerance); every kill resumed from the last checkpoint
+committed before it (lost work < one checkpoint interval); no training process, lease, scratch directory
+or RUNNING MLflow run is left; the reader never saw a committed key whose files disagree with its manifest.
 Prints one row per run and writes ``soak.json`` into ``--out``.
 """
 
 import argparse
 import contextlib
 import dataclasses
+import functools
 import http.client
 import http.server
 import json
@@ -43,10 +50,11 @@ import threading
 import time
 from pathlib import Path
 
-MODULE = "vlm_assets.train.gpt_pretrain"
-KINDS = ("worker", "agent", "s3-500", "s3-drop", "disk-full", "mlflow-down")
+KINDS = ("worker", "agent", "s3-500", "s3-drop", "disk-full", "mlflow-down", "step")
 SCRATCH_MIB = 256  # each run's scratch tmpfs: room for a few tiny-GPT checkpoints being staged
 IN_NAMESPACE = "VLM_SOAK_MOUNT_NAMESPACE"
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # vlm_assets_tests: the tests' tiny VisualChat models
 
 
 def in_private_mounts(argv: list[str]) -> int | None:
@@ -125,7 +133,12 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request, client_address):
+                if not isinstance(sys.exc_info()[1], ConnectionError):  # a killed client's: expected here
+                    super().handle_error(request, client_address)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -144,6 +157,25 @@ class FaultProxy:
             self.left -= 1
             self.injected += 1
             return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """An asset the soak trains: its upstream, its trainer (whose processes it kills) and the metric
+    compared with the uninterrupted run's."""
+
+    asset: str
+    upstream: str
+    module: str
+    metric: str
+
+
+TARGETS = {
+    "gpt_checkpoint": Target("gpt_checkpoint", "token_shards", "vlm_assets.train.gpt_pretrain", "val_loss"),
+    "visualchat_model": Target(
+        "visualchat_model", "occlusion_manifests", "vlm_assets.train.visualchat_train", "eval_loss"
+    ),
+}
 
 
 @dataclasses.dataclass
@@ -170,15 +202,24 @@ def draw_schedule(rng: random.Random, steps: list[int]) -> list[Fault]:
     return faults
 
 
-def failure_causes(result) -> list[str]:
-    """The retry rule's cause of each failed attempt of ``gpt_checkpoint`` in a Dagster run, in order
+def parse_fault(text: str) -> Fault:
+    """``KIND@STEP`` or ``KIND@STEP:SIZE`` (``--faults``): one fault of a fixed schedule."""
+    kind, _, rest = text.partition("@")
+    step, _, size = rest.partition(":")
+    if kind not in KINDS or not step.isdigit() or (size and not size.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KIND@STEP[:SIZE] with KIND one of {', '.join(KINDS)}")
+    return Fault(kind, int(step), int(size or 0))
+
+
+def failure_causes(events: list, asset: str = "gpt_checkpoint") -> list[str]:
+    """The retry rule's cause of each failed attempt of ``asset`` in a Dagster run's events, in order
     (the launcher's failure ends with ``(<cause>: retried; ...)``); an error of the step process itself
     (the final commit's upload, say), which no launcher read, as ``step:<its exception class>``."""
     import re
 
     causes = []
-    for event in result.all_events:
-        if event.step_key == "gpt_checkpoint" and event.event_type_value in ("STEP_UP_FOR_RETRY", "STEP_FAILURE"):
+    for event in events:
+        if event.step_key == asset and event.event_type_value in ("STEP_UP_FOR_RETRY", "STEP_FAILURE"):
             data = event.event_specific_data
             error = getattr(data, "error", None)
             text = error.to_string() if error is not None else ""
@@ -187,7 +228,7 @@ def failure_causes(result) -> list[str]:
     return causes
 
 
-ENDS_AN_ATTEMPT = ("worker", "agent", "disk-full")  # S3 and MLflow outages only when past the clients' retries
+ENDS_AN_ATTEMPT = ("worker", "agent", "disk-full", "step")  # S3 and MLflow outages only when past the clients' retries
 
 
 def work_lost(faults: list[Fault], causes: list[str], retries: int, resumed_from_step: float | None) -> list[str]:
@@ -201,16 +242,16 @@ def work_lost(faults: list[Fault], causes: list[str], retries: int, resumed_from
     last = max((f.fired_at for f in ended), default=None)
     if retries and last is not None and resumed_from_step is not None and resumed_from_step < last:
         problems.append(f"resumed from step {resumed_from_step}, but step {last} was committed before the last fault")
-    if retries < len(kills := [f for f in fired if f.kind in ("worker", "agent")]):
+    if retries < len(kills := [f for f in fired if f.kind in ("worker", "agent", "step")]):
         problems.append(f"{len(kills)} kill(s) but {retries} retries")
     return problems
 
 
-def processes(marker: str) -> dict[str, list[int]]:
-    """Live torchrun agents and training workers of ``MODULE`` whose command line has ``marker``."""
+def processes(module: str, marker: str) -> dict[str, list[int]]:
+    """Live torchrun agents and training workers of the trainer ``module`` whose command line has ``marker``."""
     from vlm_assets.launch.local import training_processes
 
-    return training_processes(MODULE, marker)
+    return training_processes(module, marker)
 
 
 def serve(command: list[str], port: int, what: str, log: Path) -> subprocess.Popen:
@@ -271,6 +312,18 @@ class Soak:
         self.direct = self.client(self.moto_port)
         self.direct.create_bucket(Bucket="soak")
 
+    @functools.cached_property
+    def models(self) -> Path:
+        """A tiny CLIP and a tiny GPT-2 (the tests' own, loaded through ``from_pretrained``): VisualChat's
+        encoder and decoder."""
+        from vlm_assets.paths import offline_data_dir
+        from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
+
+        root = self.root / "models"
+        tiny_clip(root / "clip")
+        tiny_decoder(root / "gpt2", offline_data_dir(), arch="gpt2")
+        return root
+
     @staticmethod
     def client(port: int):
         import boto3
@@ -284,10 +337,21 @@ class Soak:
             server.terminate()
             server.wait(timeout=30)
 
-    def run_config(self) -> dict:
+    def run_config(self, target: Target) -> dict:
         from vlm_assets.paths import offline_data_dir
 
         data = offline_data_dir()
+        if target.asset == "visualchat_model":
+            images = {"source": "fashion_mnist", "source_uri": str(data / "fashion-mnist")}
+            images.update(num_train=60, num_validation=20)
+            chat = {"encoder_kind": "clip", "encoder": str(self.models / "clip"), "decoder": str(self.models / "gpt2")}
+            chat.update(projection="mlp", pair_count=8, eval_images=8, max_length=256, nproc_per_node=2, num_nodes=1)
+            chat.update(micro_batch_size=2, global_batch_size=4, lr=3e-3, warmup_steps=1, seed=0, timeout_s=600)
+            # the soak judges faults, not quality: the VQA gate's threshold is left to the tests and the demo
+            chat.update(checks={"min_exact_match": 0.0})
+            steps, every = (48, 8) if self.args.demo else (24, 4)
+            chat.update(max_steps=steps, checkpoint_every=every, log_every=every)
+            return {"ops": {"occlusion_manifests": {"config": images}, "visualchat_model": {"config": chat}}}
         tokens = {
             "source": "text_files",
             "text_glob": str(data / "shakespeare" / "*.txt"),
@@ -305,15 +369,15 @@ class Soak:
             gpt.update(checkpoint_every=6, log_every=6)
         return {"ops": {"token_shards": {"config": tokens}, "gpt_checkpoint": {"config": gpt}}}
 
-    def materialize(self, name: str, faults: list[Fault]) -> dict:
+    def checkpoint_steps(self, target: Target) -> list[int]:
+        config = self.run_config(target)["ops"][target.asset]["config"]
+        return list(range(config["checkpoint_every"], config["max_steps"] + 1, config["checkpoint_every"]))
+
+    def materialize(self, name: str, target: Target, faults: list[Fault]) -> dict:
         import dagster as dg
         from mlflow import MlflowClient
 
-        from vlm_assets.defs.data.token_assets import token_shards
-        from vlm_assets.defs.models.gpt_assets import gpt_checkpoint
-        from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
         from vlm_assets.defs.platform.storage import S3ArtifactStoreResource
-        from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 
         home = self.root / name
         scratch = home / "runs"  # VLM_ASSETS_HOME/runs: each launch's scratch, checkpoints staged there
@@ -322,33 +386,39 @@ class Soak:
         subprocess.run(mount, check=True)
         prefix = f"{name}-{os.getpid()}"
         mlflow_uri = f"http://127.0.0.1:{self.mlflow_proxy.port}"  # what the runs use; the checks go direct
-        store = S3ArtifactStoreResource(
-            bucket="soak",
-            prefix=prefix,
-            cache_dir=str(home / "s3-cache"),
-            endpoint_url=os.environ["AWS_ENDPOINT_URL"],
-            lease_ttl_s=30,
-        )
+        store = {
+            "bucket": "soak",
+            "prefix": prefix,
+            "cache_dir": str(home / "s3-cache"),
+            "endpoint_url": os.environ["AWS_ENDPOINT_URL"],
+            "lease_ttl_s": 30,
+        }
         reader = S3ArtifactStoreResource(
             bucket="soak",
             prefix=prefix,
             cache_dir=str(home / "reader"),
             endpoint_url=f"http://127.0.0.1:{self.moto_port}",
         ).get_store()
-        resources = {
-            "artifact_store": store,
-            "mlflow": MlflowTrackingResource(tracking_uri=mlflow_uri, artifact_location=(home / "mlruns").as_uri()),
-            "launcher": LocalTorchrunLauncher(),
+        dagster_home = home / "dagster"  # each run's own instance: the killed attempts' runs stay in it
+        dagster_home.mkdir()
+        (dagster_home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+        spec = {
+            "assets": [target.upstream, target.asset],
+            "run_config": self.run_config(target),
+            "store": store,
+            "mlflow": {"tracking_uri": mlflow_uri, "artifact_location": (home / "mlruns").as_uri()},
         }
+        (home / "attempt.json").write_text(json.dumps(spec))
+        attempt: list[subprocess.Popen] = []  # the live attempt, for the step kills
         steps = []
-        config = self.run_config()["ops"]["gpt_checkpoint"]["config"]
+        config = self.run_config(target)["ops"][target.asset]["config"]
         every, last = config["checkpoint_every"], config["max_steps"]
         stop = threading.Event()
         torn: list[str] = []
         checked: set[str] = set()
 
         def checkpoint_keys() -> list[str]:
-            keys, base = [], f"{prefix}/checkpoints/gpt_checkpoint/"
+            keys, base = [], f"{prefix}/checkpoints/{target.asset}/"
             for page in self.direct.get_paginator("list_objects_v2").paginate(Bucket="soak", Prefix=base):
                 for obj in page.get("Contents", []):
                     parts = obj["Key"][len(prefix) + 1 :].split("/")
@@ -365,7 +435,7 @@ class Soak:
                     ballast[0].unlink()  # the attempt that met the full disk has ended: space is back
                     ballast = None
                 with contextlib.suppress(Exception):  # a key deleted by keep_last between list and read
-                    for prefix_ in ("gpt_checkpoint", "token_shards"):
+                    for prefix_ in (target.asset, target.upstream):
                         for key in reader.list_complete(prefix_):
                             if key not in checked and (problems := reader.quick_verify(key)):
                                 torn.append(f"{key}: {problems}")
@@ -382,14 +452,19 @@ class Soak:
                         self.proxy.arm(fault.kind, fault.size)
                     elif fault.kind == "mlflow-down":
                         self.mlflow_proxy.down_for(fault.size)
+                    elif fault.kind == "step":
+                        if attempt and attempt[-1].poll() is None:
+                            attempt[-1].send_signal(signal.SIGKILL)
+                        else:
+                            fault.note = "no attempt running"
                     elif fault.kind == "disk-full":
-                        fault.victims = tuple(processes(str(home))["worker"])
+                        fault.victims = tuple(processes(target.module, str(home))["worker"])
                         if fault.victims:
                             ballast = (fill(scratch), fault)
                         else:
                             fault.note = "no attempt running"
                     else:
-                        pids = processes(str(home))[fault.kind]
+                        pids = processes(target.module, str(home))[fault.kind]
                         if pids:
                             os.kill(random.Random(fault.after_step).choice(pids), signal.SIGKILL)
                         else:
@@ -402,26 +477,35 @@ class Soak:
         watcher.start()
         try:
             # More faults than the RetryPolicy's 2 retries fail the run; the next run of the same key
-            # (a user's, a schedule's) must then resume: the soak relaunches it, up to twice.
-            retries, relaunches, run_ids, count, causes = 0, 0, [], 0, []
-            while True:
-                with dg.instance_for_test() as instance:
-                    result = dg.materialize(
-                        [token_shards, gpt_checkpoint],
-                        resources=resources,
-                        run_config=self.run_config(),
-                        instance=instance,
-                        raise_on_error=False,
-                    )
-                retries += len([e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"])
-                causes += failure_causes(result)
-                materializations = result.asset_materializations_for_node("gpt_checkpoint")
-                run_ids.append(result.run_id)
-                count += len(materializations)
-                if result.success or relaunches == 2:
-                    break
-                relaunches += 1
-                retries += 1  # the relaunch is a retry too
+            # (a user's, a schedule's) must then resume: the soak relaunches it, up to twice, and once
+            # more for each attempt whose step process it killed.
+            retries, relaunches, run_ids, events, causes, success = 0, 0, [], [], [], False
+            limit = 2 + len([f for f in faults if f.kind == "step"])
+            with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+                while True:
+                    known = {run.run_id for run in instance.get_runs()}
+                    with open(home / "attempts.log", "a") as log:
+                        command = [sys.executable, __file__, "--attempt", str(home / "attempt.json")]
+                        env = {**os.environ, "DAGSTER_HOME": str(dagster_home)}
+                        attempt.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+                    attempt[-1].wait()
+                    new = [run for run in instance.get_runs() if run.run_id not in known]
+                    for run in new:
+                        run_events = [e.dagster_event for e in instance.all_logs(run.run_id) if e.dagster_event]
+                        events += run_events
+                        retries += len([e for e in run_events if e.event_type_value == "STEP_UP_FOR_RETRY"])
+                        causes += failure_causes(run_events, target.asset)
+                        success = run.status == dg.DagsterRunStatus.SUCCESS
+                    run_ids += [run.run_id for run in new]
+                    if success or relaunches == limit:
+                        break
+                    if attempt[-1].returncode == -signal.SIGKILL:
+                        causes.append("step:killed")
+                    relaunches += 1
+                    retries += 1  # the relaunch is a retry too
+                left_running = [
+                    f"{run.run_id[:8]} {run.status.value}" for run in instance.get_runs() if not run.is_finished
+                ]
         finally:
             stop.set()
             watcher.join()
@@ -429,21 +513,31 @@ class Soak:
             self.mlflow_proxy.down_for(0)
             (scratch / ".ballast").unlink(missing_ok=True)
         seconds = time.monotonic() - started
+        materializations = [
+            e.event_specific_data.materialization
+            for e in events
+            if e.event_type_value == "ASSET_MATERIALIZATION" and e.asset_key.to_user_string() == target.asset
+        ]
         meta = {k: getattr(v, "value", v) for k, v in materializations[0].metadata.items()} if materializations else {}
 
         problems = list(torn)
-        if not result.success or count != 1:
-            failure = next((e for e in result.all_events if e.event_type_value == "STEP_FAILURE"), None)
-            problems.append(f"run failed: {failure.step_failure_data.error.message[:400] if failure else '?'}")
-        keys = reader.list_complete("gpt_checkpoint")
+        if not success or len(materializations) != 1:
+            failure = next((e for e in reversed(events) if e.event_type_value == "STEP_FAILURE"), None)
+            problems.append(
+                f"{len(materializations)} materializations; last failure: "
+                f"{failure.step_failure_data.error.message[:400] if failure else '?'}"
+            )
+        if left_running:
+            problems.append(f"Dagster runs left in progress: {left_running}")
+        keys = reader.list_complete(target.asset)
         if len(keys) != 1:
-            problems.append(f"{len(keys)} committed keys of gpt_checkpoint, expected 1")
+            problems.append(f"{len(keys)} committed keys of {target.asset}, expected 1")
         for key in keys:
             with contextlib.suppress(Exception):
                 reader.verify(key)  # every file re-hashed against the manifest
                 continue
             problems.append(f"{key}: its files do not match its manifest")
-        left = processes(str(home))
+        left = processes(target.module, str(home))
         if left["agent"] or left["worker"]:
             problems.append(f"processes left: {left}")
         if leases := reader.list_leases():
@@ -461,12 +555,14 @@ class Soak:
         problems += work_lost(faults, causes, retries, meta.get("resumed_from_step") if meta else None)
         return {
             "name": name,
+            "asset": target.asset,
             "faults": [dataclasses.asdict(f) for f in faults],
             "retries": retries,
             "relaunches": relaunches,
             "causes": causes,
             "resumed_from_step": meta.get("resumed_from_step"),
-            "val_loss": meta.get("val_loss"),
+            "metric": target.metric,
+            "loss": meta.get(target.metric),
             "key": keys[0] if keys else None,
             "checkpoint_every": every,
             "max_steps": last,
@@ -476,12 +572,43 @@ class Soak:
         }
 
 
+def run_attempt(spec_file: str) -> int:
+    """One attempt of a soak run: a Dagster run of the spec's assets in this process, which is its run
+    worker and its step process (the in-process executor), recorded in ``$DAGSTER_HOME``'s instance.
+    The soak's ``step`` fault SIGKILLs it."""
+    import dagster as dg
+
+    from vlm_assets.defs.data.occlusion_assets import occlusion_manifests
+    from vlm_assets.defs.data.token_assets import token_shards
+    from vlm_assets.defs.models.gpt_assets import gpt_checkpoint
+    from vlm_assets.defs.models.visualchat_assets import visualchat_model
+    from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
+    from vlm_assets.defs.platform.storage import S3ArtifactStoreResource
+    from vlm_assets.defs.platform.tracking import MlflowTrackingResource
+
+    spec = json.loads(Path(spec_file).read_text())
+    known = {a.key.to_user_string(): a for a in (occlusion_manifests, token_shards, gpt_checkpoint, visualchat_model)}
+    resources = {
+        "artifact_store": S3ArtifactStoreResource(**spec["store"]),
+        "mlflow": MlflowTrackingResource(**spec["mlflow"]),
+        "launcher": LocalTorchrunLauncher(),
+    }
+    with dg.DagsterInstance.get() as instance:
+        result = dg.materialize(
+            [known[name] for name in spec["assets"]],
+            resources=resources,
+            run_config=spec["run_config"],
+            instance=instance,
+            raise_on_error=False,
+        )
+    return 0 if result.success else 1
+
+
 def table(rows: list[dict]) -> str:
     lines = [
-        "| run | faults (kind@checkpoint step; xN: S3 writes failed; N s: MLflow down) | retries (relaunches) "
-        "| resumed from "
-        "| val loss | s | ok |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| run | asset | faults (kind@checkpoint step; xN: S3 writes failed; N s: MLflow down) "
+        "| retries (relaunches) | resumed from | loss (val / held-out) | s | ok |",
+        "|---|---|---|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         faults = ", ".join(
@@ -490,12 +617,12 @@ def table(rows: list[dict]) -> str:
             + (f" ({f['note']})" * bool(f["note"]))
             for f in row["faults"]
         )
-        loss = f"{row['val_loss']:.6f}" if row["val_loss"] is not None else "-"
+        loss = f"{row['loss']:.6f}" if row["loss"] is not None else "-"
         ok = "yes" if not row["problems"] else "; ".join(row["problems"])[:300]
         resumed = int(row["resumed_from_step"]) if row["resumed_from_step"] not in (None, -1) else "-"
         lines.append(
-            f"| {row['name']} | {faults or '-'} | {row['retries']} ({row['relaunches']}) | {resumed} | {loss} "
-            f"| {row['seconds']} | {ok} |"
+            f"| {row['name']} | {row['asset']} | {faults or '-'} | {row['retries']} ({row['relaunches']}) "
+            f"| {resumed} | {loss} | {row['seconds']} | {ok} |"
         )
     return "\n".join(lines)
 
@@ -504,10 +631,27 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=6)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--demo", action="store_true", help="the demo profile's GPT size (slower)")
+    parser.add_argument(
+        "--assets",
+        nargs="+",
+        choices=sorted(TARGETS),
+        default=["gpt_checkpoint"],
+        help="the assets trained, in turn (run i trains the (i mod len)-th)",
+    )
+    parser.add_argument("--demo", action="store_true", help="longer runs: the demo profile's GPT size (slower)")
     parser.add_argument("--max-minutes", type=float, default=30, help="start no run after this")
     parser.add_argument("--out", default=None, help="folder for soak.json and the runs (default: a temp dir)")
+    parser.add_argument(
+        "--faults",
+        nargs="+",
+        type=parse_fault,
+        help="this schedule in every run instead of drawn ones: KIND@STEP[:SIZE] (SIZE: S3 writes failed, MLflow "
+        "down seconds)",
+    )
+    parser.add_argument("--attempt", help=argparse.SUPPRESS)  # the soak's own: run one attempt (run_attempt)
     args = parser.parse_args(argv)
+    if args.attempt:
+        return run_attempt(args.attempt)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     if (status := in_private_mounts(sys.argv[1:] if argv is None else argv)) is not None:
@@ -519,20 +663,24 @@ def main(argv=None) -> int:
     soak = Soak(args)
     rng = random.Random(args.seed)
     deadline = time.monotonic() + args.max_minutes * 60
-    rows = []
+    targets = [TARGETS[name] for name in dict.fromkeys(args.assets)]
+    rows, references = [], {}
     try:
-        reference = soak.materialize("reference", [])
-        rows.append(reference)
-        config = soak.run_config()["ops"]["gpt_checkpoint"]["config"]
-        steps = list(range(config["checkpoint_every"], config["max_steps"] + 1, config["checkpoint_every"]))
+        for target in targets:  # one uninterrupted run of each
+            references[target.asset] = soak.materialize("reference", target, [])
+            rows.append(references[target.asset])
         for i in range(args.runs):
             if time.monotonic() > deadline:
                 print(f"--max-minutes {args.max_minutes} reached: {i} of {args.runs} runs done", file=sys.stderr)
                 break
-            row = soak.materialize(f"run{i}", draw_schedule(rng, steps))
-            both = reference["val_loss"] is not None and row["val_loss"] is not None
-            if both and abs(row["val_loss"] - reference["val_loss"]) > 1e-5:
-                row["problems"].append(f"val loss {row['val_loss']} != uninterrupted {reference['val_loss']}")
+            target = targets[i % len(targets)]
+            schedule = draw_schedule(rng, soak.checkpoint_steps(target))
+            if args.faults:
+                schedule = [dataclasses.replace(f) for f in args.faults]
+            row = soak.materialize(f"run{i}", target, schedule)
+            expected = references[target.asset]["loss"]
+            if expected is not None and row["loss"] is not None and abs(row["loss"] - expected) > 1e-5:
+                row["problems"].append(f"{target.metric} {row['loss']} != uninterrupted {expected}")
             rows.append(row)
     finally:
         soak.close()

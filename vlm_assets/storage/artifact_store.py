@@ -29,6 +29,7 @@ from typing import Any
 
 from vlm_assets.storage.disk import staged_write
 from vlm_assets.storage.lease import Lease, LeaseState
+from vlm_assets.storage.scratch import held_dir
 
 MANIFEST_NAME = "_COMPLETE.json"
 _CHUNK = 1 << 20
@@ -194,12 +195,10 @@ class ArtifactStore(ABC):
 
     @contextlib.contextmanager
     def staging_dir(self, key: str) -> Iterator[Path]:
-        """A scratch directory for building ``key``; removed on exit, whatever happens."""
-        tmp = Path(tempfile.mkdtemp(prefix=f"{key.replace('/', '-')}-", dir=self._staging_root()))
-        try:
+        """A scratch directory for building ``key``; removed on exit, whatever happens (``held_dir``:
+        also when this process is killed)."""
+        with held_dir(self._staging_root(), prefix=f"{key.replace('/', '-')}-") as tmp:
             yield tmp
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
     def _staging_root(self) -> str | None:
         return None

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from vlm_assets.data.token_stream import reference_batch
 from vlm_assets.models.gpt import GPT, preset
 from vlm_assets.models.gpt_export import export_hf
-from vlm_assets.train.checkpoints import CHECKPOINT_FILE, StepCheckpoint, step_key
+from vlm_assets.train.checkpoints import CHECKPOINT_FILE, StepCheckpoint, StepSeed, step_key
 from vlm_assets.train.entry import TrainerRun, backend, entry_point
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.gpt_module import GPTPretrainModule, TokenDataModule
@@ -79,7 +79,7 @@ def train(run: TrainerRun[PretrainConfig]) -> None:
     checkpoints = StepCheckpoint(
         run.cache / "staging", every=config.checkpoint_every, val_every=config.val_check_interval
     )
-    trainer = build_trainer(run, [history, checkpoints], run.checkpoint_io(config.keep_last))
+    trainer = build_trainer(run, [history, checkpoints, StepSeed(config.seed)], run.checkpoint_io(config.keep_last))
     module = GPTPretrainModule(model_config, config, lr)
     data = TokenDataModule(config, shards_uri, paths.cache_dir)
     reporter.log(

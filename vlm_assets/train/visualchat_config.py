@@ -27,7 +27,7 @@ class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
         default=0.0,
         ge=0,
         lt=1,
-        description=("LoRA dropout. 0 keeps a resumed run bit-exact (no random state to carry across processes)."),
+        description="LoRA dropout (its masks are seeded per step: a resumed run draws the same ones).",
     )
     lora_encoder: bool = Field(default=False, description="Also put LoRA on the vision encoder's linear layers.")
     freeze_modules: list[str] = Field(

@@ -5,16 +5,16 @@ then LoRA merged and the whole model exported. One process per device, started b
 
 ``run.json`` holds a ``VisualChatTrainConfig`` and ``RunPaths`` (inputs ``occlusion_manifests``, optional,
 and ``decoder`` when the asset resolved the in-graph GPT). bf16 on GPUs (NCCL), fp32 on CPU (gloo). The
-data order is ``DistributedSampler``'s (seeded, reshuffled per epoch) through torchdata's
-``StatefulDataLoader``, whose position Lightning saves in every checkpoint. Every ``checkpoint_every``
-steps the checkpoint (trained weights, optimizer, scheduler, loop and loader state, history) is committed
-to the artifact store; a relaunch resumes from the newest intact one at the same step and data position,
-so the loss curve continues exactly (LoRA dropout 0: nothing random is left to carry). At the end rank 0
-gathers the weights (from the ZeRO-3 partitions too), merges LoRA into the decoder, checks the merged
-model against the unmerged one on a fixed batch, writes ``model/`` (``VisualChatModel.save_pretrained``)
-and ``history.json`` into ``out_dir``, reloads that export and measures its VQA exact match on held-out
-validation images of the manifests with a two-image conversation (``eval.json``), and reports through
-Pipes.
+data order is ``DistributedSampler``'s (seeded, reshuffled per epoch; torchdata's resumable one, its epoch
+kept too) through torchdata's ``StatefulDataLoader``, whose position Lightning saves in every checkpoint.
+Every ``checkpoint_every`` steps the checkpoint (trained weights, optimizer, scheduler, loop and loader
+state, history) is committed to the artifact store; a relaunch resumes from the newest intact one at the
+same step and data position, so the loss curve continues exactly (dropout's masks are seeded per step:
+``StepSeed``). At the end rank 0 gathers the weights (from the ZeRO-3 partitions too), merges LoRA into
+the decoder, checks the merged model against the unmerged one on a fixed batch, writes ``model/``
+(``VisualChatModel.save_pretrained``) and ``history.json`` into ``out_dir``, reloads that export and
+measures its VQA exact match on held-out validation images of the manifests with a two-image
+conversation (``eval.json``), and reports through Pipes.
 """
 
 import contextlib
@@ -31,14 +31,15 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from vlm_assets.data import visualchat_data as vd
 from vlm_assets.launch.spec import InputRefused
 from vlm_assets.models.visualchat import VisualChatModel, decoder_positions
 from vlm_assets.models.visualchat_attention import attention_layout
-from vlm_assets.train.checkpoints import StepCheckpoint
+from vlm_assets.train.checkpoints import StepCheckpoint, StepSeed
 from vlm_assets.train.deepspeed_store import deepspeed_strategy
 from vlm_assets.train.entry import TrainerRun, entry_point
 from vlm_assets.train.reporting import Reporter, TrainingHistory, process_group_backend
@@ -141,6 +142,20 @@ class Rows(Dataset):
         return self.rows[index % len(self.rows)]
 
 
+class EpochSampler(StatefulDistributedSampler):
+    """torchdata's resumable ``DistributedSampler`` (the same order), whose state also holds its epoch.
+    A restored loader draws the rest of its epoch's order before Lightning sets the sampler's epoch, so
+    without it a run resumed in its second epoch trained on the rest of the first epoch's order
+    (bench/soak.py: resumed at step 16 of 24, the held-out loss 0.007 off the uninterrupted run's)."""
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.set_epoch(state_dict["epoch"])
+
+
 class VisualChatModule(L.LightningModule):
     """The model's own loss (answer tokens), AdamW with a linear warm-up, the held-out loss before
     training (kept in the checkpoint) and the non-padding tokens trained on."""
@@ -210,7 +225,7 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     loader = StatefulDataLoader(
         data,
         batch_size=config.micro_batch_size,
-        sampler=DistributedSampler(data, num_replicas=run.world, rank=run.rank, shuffle=True, seed=config.seed),
+        sampler=EpochSampler(data, num_replicas=run.world, rank=run.rank, shuffle=True, seed=config.seed),
         collate_fn=functools.partial(
             vd.collate, pad_id=model.tokenizer.pad_token_id, image_size=model.encoder.image_size
         ),
@@ -219,12 +234,12 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     checkpoints = StepCheckpoint(run.cache / "staging", every=config.checkpoint_every)
     trainer = run.trainer(
         deepspeed_strategy(run.checkpoint_io(keep_last=2), stage=config.zero_stage, exclude_frozen_parameters=True),
-        [history, checkpoints],
+        [history, checkpoints, StepSeed(config.seed)],
         max_steps=config.max_steps,
         max_epochs=-1,
         accumulate_grad_batches=config.accumulation(run.world),
         gradient_clip_val=config.grad_clip or None,
-        use_distributed_sampler=False,  # the loader's own DistributedSampler
+        use_distributed_sampler=False,  # the loader's own sampler
     )
     resume = run.latest_checkpoint()
     run.fit(trainer, module, resume, train_dataloaders=loader)
@@ -256,7 +271,12 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
 
 @torch.no_grad()
 def evaluate(model: VisualChatModel, samples: list[vd.Sample], device: torch.device) -> float:
-    """Mean answer-token loss over the held-out samples (every rank the same, sharded or not)."""
+    """Mean answer-token loss over the held-out samples (every rank the same, sharded or not). Each module
+    is left in the mode it was in (a frozen decoder in eval mode stays there: ``model.train()`` after
+    the baseline evaluation switched its dropout on in a fresh run but not in a resumed one, which
+    skips that evaluation; bench/soak.py found the two ending 0.006 apart). By hand: torch has no
+    "restore modes", and Lightning's is private."""
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     pad, size = model.tokenizer.pad_token_id, model.encoder.image_size
     total, count = 0.0, 0
@@ -265,7 +285,8 @@ def evaluate(model: VisualChatModel, samples: list[vd.Sample], device: torch.dev
         tokens = int((batch["labels"][:, 1:] != vd.IGNORE_INDEX).sum())
         total += float(model(**batch).loss) * tokens
         count += tokens
-    model.train()
+    for module, mode in modes:
+        module.training = mode
     return total / max(count, 1)
 
 

@@ -89,6 +89,7 @@ def config(inputs: Path, **overrides) -> VisualChatTrainConfig:
         warmup_steps=2,
         max_length=256,
         timeout_s=600,
+        lora_dropout=0.1,  # random masks: a resumed run must draw the same ones (StepSeed)
     )
     return VisualChatTrainConfig(**{**settings, **overrides})
 
@@ -298,6 +299,47 @@ def test_first_fit_packing_fills_rows_largest_first():
     assert vd.pack([5, 3, 4, 2, 6], budget=8) == [[4, 3], [0, 1], [2]]
     with pytest.raises(ValueError, match="more than the packing budget"):
         vd.pack([9], budget=8)
+
+
+def test_a_loader_restored_in_its_second_epoch_goes_on_with_that_epochs_order():
+    """Lightning restores the loader's position before it sets the sampler's epoch: the sampler keeps its
+    epoch in its own state (bench/soak.py: a VisualChat run resumed at step 16 of 24, in its second epoch,
+    trained on the rest of the first epoch's order)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from vlm_assets.train.visualchat_train import EpochSampler
+
+    def loader(rank: int) -> StatefulDataLoader:
+        data = list(range(16))
+        return StatefulDataLoader(data, batch_size=2, sampler=EpochSampler(data, num_replicas=2, rank=rank, seed=3))
+
+    for rank in (0, 1):
+        first = loader(rank)
+        first.sampler.set_epoch(1)
+        batches = iter(first)
+        seen = [next(batches).tolist() for _ in range(2)]
+        state = first.state_dict()
+        rest = [b.tolist() for b in batches]
+        restored = loader(rank)
+        restored.load_state_dict(state)  # and no set_epoch, as Lightning on a restart
+        assert [b.tolist() for b in restored] == rest and len(seen + rest) == 4
+        assert restored.sampler.epoch == 1
+
+
+def test_the_held_out_evaluation_leaves_every_module_in_its_mode(inputs):
+    """A fresh run evaluates the untrained model before training, a resumed one does not: the evaluation
+    must leave the frozen decoder (eval mode, no dropout) as it found it, or the two runs train different
+    models (bench/soak.py: a GPT-2 decoder's dropout on after a fresh start only)."""
+    from vlm_assets.train.visualchat_train import build_model, build_samples, evaluate
+
+    cfg = config(inputs, chat_datasets={})
+    model = build_model(cfg)
+    _, samples = build_samples(cfg, model, inputs / "manifests")
+    model.decoder.eval()  # as from_pretrained leaves it
+    modes = {name: module.training for name, module in model.named_modules()}
+    assert not all(modes.values()) and any(modes.values())  # a mix: the test can tell one from the other
+    loss = evaluate(model, samples[:4], torch.device("cpu"))
+    assert loss > 0 and {name: module.training for name, module in model.named_modules()} == modes
 
 
 def test_the_template_learns_only_the_answers(inputs):

@@ -9,7 +9,6 @@ topology, resumes from the newest intact one.
 
 import json
 import math
-import tempfile
 from pathlib import Path
 
 import dagster as dg
@@ -21,6 +20,7 @@ from vlm_assets.defs.platform.memo import AssetConfig, Built
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.training import Launch, training_asset
 from vlm_assets.paths import runs_dir
+from vlm_assets.storage.scratch import held_dir
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.run_config import run_section
 
@@ -65,7 +65,7 @@ def export_scan(root: Path, shards_uri: str) -> dict[str, float]:
     from vlm_assets.models.gpt_export import hf_loss
 
     expected = json.loads((root / "reference.json").read_text())
-    with tempfile.TemporaryDirectory(dir=runs_dir()) as tmp:
+    with held_dir(runs_dir()) as tmp:
         batch = reference_batch(shards_uri, expected["num_samples"], tmp)
         return {"export_loss": hf_loss(root / "hf", batch), "trainer_loss": expected["val_batch_loss"]}
 

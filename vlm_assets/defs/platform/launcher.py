@@ -10,8 +10,6 @@ final materialization metadata through it.
 import contextlib
 import multiprocessing
 import os
-import shutil
-import tempfile
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -284,11 +282,11 @@ def launch_trainer(
     asset's MLflow run) in a scratch folder, ``module`` launched on the config's topology, and the
     trainer's one Pipes report returned as plain values."""
     from vlm_assets.paths import runs_dir
+    from vlm_assets.storage.scratch import held_dir
     from vlm_assets.train.run_config import RunPaths, write_run_file
 
     name = context.asset_key.to_user_string()
-    work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=runs_dir()))
-    try:
+    with held_dir(runs_dir(), prefix=f"{name}-") as work:  # removed even if this process is killed
         paths = RunPaths(
             inputs=inputs,
             out_dir=str(staging),
@@ -300,8 +298,6 @@ def launch_trainer(
         )
         write_run_file(work / "run.json", config, paths)
         reports = launcher.launch(context, config.launch_spec(module, ("--config", str(work / "run.json")), name=name))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     if len(reports) != 1:
         raise RuntimeError(f"the trainer reported {len(reports)} materializations through Pipes, expected 1")
     return {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}
