@@ -335,7 +335,11 @@ class Soak:
             proxy.server.shutdown()
         for server in self.servers:
             server.terminate()
-            server.wait(timeout=30)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # MLflow's server can outlast a SIGTERM with clients open
+                server.kill()
+                server.wait()
 
     def run_config(self, target: Target) -> dict:
         from vlm_assets.paths import offline_data_dir
@@ -391,7 +395,7 @@ class Soak:
             "prefix": prefix,
             "cache_dir": str(home / "s3-cache"),
             "endpoint_url": os.environ["AWS_ENDPOINT_URL"],
-            "lease_ttl_s": 30,
+            "lease_ttl_s": 15,  # a killed step's lease: the relaunch waits this long to take it over
         }
         reader = S3ArtifactStoreResource(
             bucket="soak",

@@ -1,9 +1,15 @@
-"""CI's short seeded soak (bench/soak.py): one uninterrupted reference run of gpt_checkpoint and one
-run whose schedule (seed 349) makes the S3 server fail 7 checkpoint writes in a row (past boto3's own
-retries: the retry rule's `unreachable`; how many attempts the outage spans depends on how the
-client's parallel part uploads meet it) and then fills the run's scratch disk (a tmpfs) until the
-attempt whose next checkpoint write fails has ended (`disk_full`). When that is more than the
-RetryPolicy's 2 retries, the run fails and the soak's relaunch of the key must resume it.
+"""CI's short seeded soak (bench/soak.py): one uninterrupted reference run of each of gpt_checkpoint and
+visualchat_model, then one faulted run of each from seed 12452's schedule.
+
+gpt_checkpoint: the S3 server fails 7 checkpoint writes in a row after step 6 (past boto3's own retries:
+the retry rule's `unreachable`; how many attempts the outage spans depends on how the client's parallel
+part uploads meet it), then the run's scratch disk (a tmpfs) is filled until the attempt whose next
+checkpoint write fails has ended (`disk_full`). When that is more than the RetryPolicy's 2 retries, the
+run fails and the soak's relaunch of the key must resume it.
+visualchat_model: a torchrun agent is SIGKILLed after step 4 (`killed`, retried), then the step process
+itself (run worker and step: one process under the in-process executor) after step 20: nothing of it
+can clean up, so the relaunch must take its lease over, end its MLflow run KILLED, mark its Dagster run
+failed, remove its scratch and resume from the last checkpoint.
 The soak exits non-zero on any broken invariant; here its report must also show the faults fired."""
 
 import json
@@ -20,23 +26,34 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_a_short_seeded_soak_loses_nothing(tmp_path, offline_data):
-    command = [sys.executable, str(REPO / "bench" / "soak.py"), "--runs", "1", "--seed", "349", "--out", str(tmp_path)]
+    command = [sys.executable, str(REPO / "bench" / "soak.py"), "--runs", "2", "--seed", "12452"]
+    command += ["--assets", "gpt_checkpoint", "visualchat_model", "--out", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "VLM_ASSETS_HOME"))}
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads((tmp_path / "soak.json").read_text())["runs"]
-    reference, faulted = runs
-    assert not reference["faults"] and reference["retries"] == 0
-    assert [(f["kind"], f["size"]) for f in faulted["faults"]] == [("s3-500", 7), ("disk-full", 0)]
-    assert all(f["fired_at"] is not None and not f["note"] for f in faulted["faults"]), faulted
-    assert faulted["retries"] >= 2 and faulted["relaunches"] in (0, 1), faulted
+    gpt_reference, chat_reference, gpt, chat = runs
+    for reference in (gpt_reference, chat_reference):
+        assert not reference["faults"] and reference["retries"] == 0
+    assert (gpt["asset"], chat["asset"]) == ("gpt_checkpoint", "visualchat_model")
+    for run in (gpt, chat):
+        assert all(f["fired_at"] is not None and not f["note"] for f in run["faults"]), run
+
+    assert [(f["kind"], f["size"]) for f in gpt["faults"]] == [("s3-500", 7), ("disk-full", 0)]
+    assert gpt["retries"] >= 2 and gpt["relaunches"] in (0, 1), gpt
     # each failed attempt read by the retry rule: the outage, then the full disk (last, or before a relaunch)
-    assert faulted["causes"][0] == "unreachable" and "disk_full" in faulted["causes"], faulted["causes"]
-    assert set(faulted["causes"]) == {"unreachable", "disk_full"}, faulted["causes"]
-    assert faulted["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
-    assert faulted["resumed_from_step"] >= 18 and faulted["key"] == reference["key"]
-    row = r"\| run0 \| s3-500@12 x7, disk-full@18 \| [23] \([01]\) \| (18|24) \| [\d.]+ \| [\d.]+ \| yes \|"
-    assert re.search(row, proc.stdout), proc.stdout
+    assert gpt["causes"][0] == "unreachable" and "disk_full" in gpt["causes"], gpt["causes"]
+    assert set(gpt["causes"]) == {"unreachable", "disk_full"}, gpt["causes"]
+    assert gpt["loss"] == pytest.approx(gpt_reference["loss"], abs=1e-5)
+    assert gpt["resumed_from_step"] >= 12 and gpt["key"] == gpt_reference["key"]
+
+    assert [f["kind"] for f in chat["faults"]] == ["agent", "step"]
+    assert chat["relaunches"] >= 1 and chat["causes"][0] == "killed" and "step:killed" in chat["causes"], chat
+    assert chat["loss"] == pytest.approx(chat_reference["loss"], abs=1e-5)  # the held-out loss of the merged model
+    assert chat["resumed_from_step"] >= 20 and chat["key"] == chat_reference["key"]
+    assert "KILLED" in chat["mlflow_statuses"] and "RUNNING" not in chat["mlflow_statuses"], chat
+    for name, asset in (("run0", "gpt_checkpoint"), ("run1", "visualchat_model")):
+        assert re.search(rf"\| {name} \| {asset} \| .* \| yes \|", proc.stdout), proc.stdout
 
 
 def _soak_module():
