@@ -383,12 +383,12 @@ class Soak:
 
         from vlm_assets.defs.platform.storage import S3ArtifactStoreResource
 
-        home = self.root / name
+        home = self.root / f"{name}-{target.asset}"
         scratch = home / "runs"  # VLM_ASSETS_HOME/runs: each launch's scratch, checkpoints staged there
         scratch.mkdir(parents=True)
         mount = ["mount", "-t", "tmpfs", "-o", f"size={SCRATCH_MIB}m", "vlm-soak-scratch", str(scratch)]
         subprocess.run(mount, check=True)
-        prefix = f"{name}-{os.getpid()}"
+        prefix = f"{name}-{target.asset}-{os.getpid()}"
         mlflow_uri = f"http://127.0.0.1:{self.mlflow_proxy.port}"  # what the runs use; the checks go direct
         store = {
             "bucket": "soak",

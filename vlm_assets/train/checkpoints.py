@@ -139,9 +139,8 @@ class StepSeed(Callback):
     """Reseeds torch's generators (CPU and every GPU) before each micro-batch from (seed, rank, optimizer
     step, micro-batch of that step), so that dropout draws the same masks in a run resumed from a
     checkpoint as in the run never stopped, with no random state to save. Lightning's checkpoints carry
-    no generator state (and the global stream is also drawn from by each new epoch's loader), so a resumed
-    run would restart the stream at the seed: bench/soak.py found a VisualChat run with a GPT-2 decoder
-    (dropout 0.1) resumed at step 20 ending with a held-out loss 0.02 off the uninterrupted run's."""
+    no generator state (and each new epoch's loader draws from the global stream too), so a resumed run
+    would otherwise restart the stream at the seed."""
 
     def __init__(self, seed: int):
         self.seed, self.step, self.micro = seed, -1, 0

@@ -301,6 +301,7 @@ def test_first_fit_packing_fills_rows_largest_first():
         vd.pack([9], budget=8)
 
 
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata's own call, as in the trainer
 def test_a_loader_restored_in_its_second_epoch_goes_on_with_that_epochs_order():
     """Lightning restores the loader's position before it sets the sampler's epoch: the sampler keeps its
     epoch in its own state (bench/soak.py: a VisualChat run resumed at step 16 of 24, in its second epoch,
