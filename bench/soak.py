@@ -29,7 +29,8 @@ and one committed key; its loss (GPT's val loss, VisualChat's held-out loss of t
 the reference's within 1e-5 (the README's resume tolerance); every kill resumed from the last checkpoint
 committed before it (lost work < one checkpoint interval); no training process, lease, scratch directory
 or RUNNING MLflow run is left; the reader never saw a committed key whose files disagree with its manifest.
-Prints one row per run and writes ``soak.json`` into ``--out``.
+Prints one row per run (with its time lost: its seconds less its reference's) and writes ``soak.json``
+(faults, retries, causes, resumed-from step, time, the final artifact's key and sha256 digest) into ``--out``.
 """
 
 import argparse
@@ -568,6 +569,7 @@ class Soak:
             "metric": target.metric,
             "loss": meta.get(target.metric),
             "key": keys[0] if keys else None,
+            "digest": reader.read_manifest(keys[0]).digest if len(keys) == 1 else None,  # sha256 of the files
             "checkpoint_every": every,
             "max_steps": last,
             "seconds": round(seconds, 1),
@@ -611,7 +613,7 @@ def run_attempt(spec_file: str) -> int:
 def table(rows: list[dict]) -> str:
     lines = [
         "| run | asset | faults (kind@checkpoint step; xN: S3 writes failed; N s: MLflow down) "
-        "| retries (relaunches) | resumed from | loss (val / held-out) | s | ok |",
+        "| retries (relaunches) | resumed from | loss (val / held-out) | s (lost) | ok |",
         "|---|---|---|---:|---:|---:|---:|---|",
     ]
     for row in rows:
@@ -624,9 +626,10 @@ def table(rows: list[dict]) -> str:
         loss = f"{row['loss']:.6f}" if row["loss"] is not None else "-"
         ok = "yes" if not row["problems"] else "; ".join(row["problems"])[:300]
         resumed = int(row["resumed_from_step"]) if row["resumed_from_step"] not in (None, -1) else "-"
+        seconds = f"{row['seconds']}" + (f" ({row['lost_s']:+})" if "lost_s" in row else "")
         lines.append(
             f"| {row['name']} | {row['asset']} | {faults or '-'} | {row['retries']} ({row['relaunches']}) "
-            f"| {resumed} | {loss} | {row['seconds']} | {ok} |"
+            f"| {resumed} | {loss} | {seconds} | {ok} |"
         )
     return "\n".join(lines)
 
@@ -682,6 +685,7 @@ def main(argv=None) -> int:
             if args.faults:
                 schedule = [dataclasses.replace(f) for f in args.faults]
             row = soak.materialize(f"run{i}", target, schedule)
+            row["lost_s"] = round(row["seconds"] - references[target.asset]["seconds"], 1)
             expected = references[target.asset]["loss"]
             if expected is not None and row["loss"] is not None and abs(row["loss"] - expected) > 1e-5:
                 row["problems"].append(f"{target.metric} {row['loss']} != uninterrupted {expected}")
