@@ -27,7 +27,7 @@ def sweep(parent: Path) -> list[Path]:
     for lock in sorted(parent.glob(f"*{SUFFIX}")):
         try:
             fd = os.open(lock, os.O_RDONLY)
-        except FileNotFoundError:  # its maker finished meanwhile
+        except OSError:  # its maker finished meanwhile, or it is another user's
             continue
         try:
             try:
