@@ -104,9 +104,9 @@ _WORKER_ENCODER: tuple[Callable[[list[str]], list[list[int]]], int] | None = Non
 
 
 def _worker_signals() -> None:
-    """A worker ends quietly when the pool is terminated (SIGTERM; e.g. ``max_samples`` reached), not
-    through the handler it inherited from its parent (Dagster's raises an interrupt and prints it);
-    Ctrl-C is the parent's to handle. A parent killed outright leaves them EOF on the task queue."""
+    """A worker ends quietly if it is sent SIGTERM, not through the handler it inherited from its parent
+    (Dagster's raises an interrupt and prints it); Ctrl-C is the parent's to handle. A parent killed
+    outright leaves them EOF on the task queue."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -134,7 +134,8 @@ def encoded_batches(tokenizer, documents: Iterable[str], workers: int | None = N
     if encoding is None or workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         yield from map(_encode_flat, batches)  # the HF tokenizer's batches are already parallel
         return
-    with multiprocessing.get_context("fork").Pool(workers, initializer=_worker_signals) as pool:
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_signals)
+    try:
         pending: collections.deque = collections.deque()
         for batch in batches:
             pending.append(pool.apply_async(_encode_flat, (batch,)))
@@ -142,6 +143,12 @@ def encoded_batches(tokenizer, documents: Iterable[str], workers: int | None = N
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+    finally:
+        # close + join (the few batches in flight finish), not the context manager's terminate: a worker
+        # SIGTERMed while it holds the result queue's lock leaves that lock taken, and terminate then
+        # waits for it for ever (CPython's Pool; it hung a CI run once, when max_samples ended a read).
+        pool.close()
+        pool.join()
 
 
 def paragraphs_of_files(pattern: str) -> Iterator[str]:
