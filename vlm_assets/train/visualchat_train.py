@@ -51,8 +51,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else
 # DeepSpeed's ZeRO calls torch collectives that torch deprecated (all_gather_into_tensor,
 # reduce_scatter_tensor): nothing of ours to change.
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-# The frozen encoder and decoder are kept in eval mode on purpose (no dropout): Lightning's warning
-# about modules in eval mode at the start of training is about exactly that.
+# A frozen encoder is kept in eval mode on purpose (fixed batch-norm statistics, no dropout): Lightning's
+# warning about modules in eval mode at the start of training is about exactly that.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")  # rows are in memory
 # torchdata 0.11 (its latest) calls torch's telemetry hook set_vital, which torch 2.13 deprecated.
@@ -209,6 +209,11 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
         config = config.model_copy(update={"decoder": paths.input("decoder")})
     L.seed_everything(config.seed, verbose=False)
     model = build_model(config)
+    # Training mode for every module but a frozen encoder (VisualChatModel.train: fixed batch-norm
+    # statistics), set here so that a fresh run and a resumed one train alike: until the soak, only the
+    # fresh run's held-out evaluation before training set it (a resumed run trained the encoder's
+    # batch norms in whatever mode the encoder was built in).
+    model.train()
     manifests = Path(paths.inputs["occlusion_manifests"]) if "occlusion_manifests" in paths.inputs else None
     try:
         rows, evaluation = build_samples(config, model, manifests)
@@ -272,10 +277,10 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
 @torch.no_grad()
 def evaluate(model: VisualChatModel, samples: list[vd.Sample], device: torch.device) -> float:
     """Mean answer-token loss over the held-out samples (every rank the same, sharded or not). Each module
-    is left in the mode it was in (a frozen decoder in eval mode stays there: ``model.train()`` after
-    the baseline evaluation switched its dropout on in a fresh run but not in a resumed one, which
-    skips that evaluation; bench/soak.py found the two ending 0.006 apart). By hand: torch has no
-    "restore modes", and Lightning's is private."""
+    is left in the mode it was in: ``model.train()`` after the evaluation before training set modes in
+    a fresh run that a resumed one, which skips it, never had (bench/soak.py found the two ending 0.006
+    apart); ``train`` sets them once for both. By hand: torch has no "restore modes", and Lightning's is
+    private."""
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     pad, size = model.tokenizer.pad_token_id, model.encoder.image_size
