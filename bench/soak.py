@@ -51,11 +51,15 @@ import threading
 import time
 from pathlib import Path
 
-KINDS = ("worker", "agent", "s3-500", "s3-drop", "disk-full", "mlflow-down", "step")
+KINDS = ("worker", "agent", "s3-500", "s3-drop", "disk-full", "mlflow-down", "step", "pod-delete", "pod-evict")
+POD_KINDS = ("pod-delete", "pod-evict")  # the k8s launcher's only (--launcher k8s)
 SCRATCH_MIB = 256  # each run's scratch tmpfs: room for a few tiny-GPT checkpoints being staged
 IN_NAMESPACE = "VLM_SOAK_MOUNT_NAMESPACE"
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # vlm_assets_tests: the tests' tiny VisualChat models
+
+
+UNSHARE = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
 
 
 def in_private_mounts(argv: list[str]) -> int | None:
@@ -64,19 +68,20 @@ def in_private_mounts(argv: list[str]) -> int | None:
     that vanishes with it; its exit status. None when already inside."""
     if os.environ.get(IN_NAMESPACE):
         return None
-    unshare = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
-    return subprocess.call([*unshare, sys.executable, __file__, *argv], env={**os.environ, IN_NAMESPACE: "1"})
+    return subprocess.call([*UNSHARE, sys.executable, __file__, *argv], env={**os.environ, IN_NAMESPACE: "1"})
 
 
 def fill(directory: Path) -> Path:
-    """A ballast file that takes every free byte of ``directory``'s file system."""
+    """A ballast file that takes every free byte of ``directory``'s file system (grown again by each
+    call: the space a finished upload's staging frees is taken back, so the disk stays full)."""
     ballast = directory / ".ballast"
-    with open(ballast, "wb") as f:
+    # Unbuffered: a buffered file keeps the bytes of a short write and fails again on close (ENOSPC
+    # out of the with statement), which had killed the fault schedule with the disk left full.
+    with open(ballast, "ab", buffering=0) as f:
         chunk = b"\0" * (1 << 20)
         with contextlib.suppress(OSError):  # ENOSPC: full
-            while True:
-                f.write(chunk)
-                f.flush()
+            while f.write(chunk):
+                pass
     return ballast
 
 
@@ -189,13 +194,13 @@ class Fault:
     note: str = ""
 
 
-def draw_schedule(rng: random.Random, steps: list[int]) -> list[Fault]:
-    """1 or 2 faults at increasing checkpoint steps; an S3 fault may wait for the last one (the final
-    commit's writes come after it)."""
+def draw_schedule(rng: random.Random, steps: list[int], kinds: tuple[str, ...]) -> list[Fault]:
+    """1 or 2 faults of ``kinds`` at increasing checkpoint steps; an S3 fault may wait for the last one
+    (the final commit's writes come after it)."""
     count = rng.choice((1, 2))
     faults = []
     for i, step in enumerate(sorted(rng.sample(steps[:-1], count))):
-        kind = rng.choice(KINDS)
+        kind = rng.choice(kinds)
         if kind.startswith("s3") and i == count - 1 and rng.random() < 0.5:
             step = steps[-1]
         size = rng.randint(1, 8) if kind.startswith("s3") else rng.randint(5, 60) if kind == "mlflow-down" else 0
@@ -229,7 +234,8 @@ def failure_causes(events: list, asset: str = "gpt_checkpoint") -> list[str]:
     return causes
 
 
-ENDS_AN_ATTEMPT = ("worker", "agent", "disk-full", "step")  # S3 and MLflow outages only when past the clients' retries
+# S3 and MLflow outages end one only when past the clients' retries
+ENDS_AN_ATTEMPT = ("worker", "agent", "disk-full", "step", *POD_KINDS)
 
 
 def work_lost(faults: list[Fault], causes: list[str], retries: int, resumed_from_step: float | None) -> list[str]:
@@ -243,7 +249,7 @@ def work_lost(faults: list[Fault], causes: list[str], retries: int, resumed_from
     last = max((f.fired_at for f in ended), default=None)
     if retries and last is not None and resumed_from_step is not None and resumed_from_step < last:
         problems.append(f"resumed from step {resumed_from_step}, but step {last} was committed before the last fault")
-    if retries < len(kills := [f for f in fired if f.kind in ("worker", "agent", "step")]):
+    if retries < len(kills := [f for f in fired if f.kind in ("worker", "agent", "step", *POD_KINDS)]):
         problems.append(f"{len(kills)} kill(s) but {retries} retries")
     return problems
 
@@ -312,6 +318,65 @@ class Soak:
         os.environ.update(AWS_ENDPOINT_URL=proxied, S3_ENDPOINT_URL=proxied)
         self.direct = self.client(self.moto_port)
         self.direct.create_bucket(Bucket="soak")
+        self.k8s = self.start_k8s() if args.launcher == "k8s" else None
+
+    def start_k8s(self):
+        """The k8s launcher's cluster: ``--kubeconfig``'s, or the loopback testbed (a real API server,
+        scheduler and controllers; pods are local processes: ``vlm_assets_tests/k8s/testbed``) started
+        here, inside the soak's mount namespace so that pods see the scratch tmpfs. The pods run in
+        namespace ``soak``; the core API client."""
+        from kubernetes import client, config
+
+        from vlm_assets_tests.k8s.testbed_fixtures import TESTBED, wait_for_default_service_account
+
+        if not self.args.kubeconfig:
+            build = subprocess.run([str(TESTBED / "build.sh")], capture_output=True, text=True)
+            if build.returncode != 0:
+                raise SystemExit(f"building the k8s testbed failed:\n{build.stdout[-2000:]}{build.stderr[-2000:]}")
+            run_dir = self.root / "k8s"
+            env = {**os.environ, "TESTBED_PYTHON": sys.executable, "FAKE_KUBELET_CWD": str(REPO)}
+            start = subprocess.run([str(TESTBED / "start.sh"), str(run_dir)], env=env, capture_output=True, text=True)
+            self.testbed = run_dir
+            if start.returncode != 0:
+                raise SystemExit(f"starting the k8s testbed failed:\n{start.stdout[-2000:]}{start.stderr[-2000:]}")
+            self.args.kubeconfig = str(run_dir / "pki" / "kubeconfig")
+        core = client.CoreV1Api(config.new_client_from_config(config_file=self.args.kubeconfig))
+        core.create_namespace({"metadata": {"name": self.args.namespace}})
+        wait_for_default_service_account(core, self.args.namespace)
+        return core
+
+    def k8s_objects(self) -> list[str]:
+        from kubernetes import client
+
+        from vlm_assets_tests.k8s.testbed_fixtures import launcher_objects
+
+        return launcher_objects(self.k8s, client.BatchV1Api(self.k8s.api_client), self.args.namespace)
+
+    def hit_pod(self, fault: Fault) -> None:
+        """Delete one running pod of the launch (a user's ``kubectl delete``, a drained node), or mark it
+        evicted as a kubelet under node pressure writes it (the testbed has no real eviction)."""
+        pods = [p for p in self.k8s.list_namespaced_pod(self.args.namespace).items if p.status.phase == "Running"]
+        if not pods:
+            fault.note = "no pod running"
+            return
+        pod = random.Random(fault.after_step).choice(sorted(pods, key=lambda p: p.metadata.name)).metadata.name
+        if fault.kind == "pod-delete":
+            self.k8s.delete_namespaced_pod(pod, self.args.namespace)
+        else:
+            status = {"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."}
+            self.k8s.patch_namespaced_pod_status(pod, self.args.namespace, {"status": status})
+
+    def launcher(self) -> dict:
+        """The attempt's launcher: local torchrun, or pods through ``--kubeconfig``'s API server."""
+        if self.k8s is None:
+            return {"kind": "local"}
+        env = {"OMP_NUM_THREADS": "1", "VLM_ASSETS_NODES_SHARE_HOST": "1"}
+        env.update({k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})  # moto's: not secret
+        env.update({k: os.environ[k] for k in ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "HOME") if k in os.environ})
+        settings = {"namespace": self.args.namespace, "kubeconfig": self.args.kubeconfig, "python": sys.executable}
+        # pod DNS names do not resolve on the testbed: the rendezvous is on loopback
+        settings.update(rendezvous_host="127.0.0.1", pending_timeout_s=60, env=env)
+        return {"kind": "k8s", **settings}
 
     @functools.cached_property
     def models(self) -> Path:
@@ -332,6 +397,8 @@ class Soak:
         return boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
 
     def close(self):
+        if getattr(self, "testbed", None):
+            subprocess.run([str(REPO / "vlm_assets_tests" / "k8s" / "testbed" / "stop.sh"), str(self.testbed)])
         for proxy in (self.proxy, self.mlflow_proxy):
             proxy.server.shutdown()
         for server in self.servers:
@@ -412,6 +479,7 @@ class Soak:
             "run_config": self.run_config(target),
             "store": store,
             "mlflow": {"tracking_uri": mlflow_uri, "artifact_location": (home / "mlruns").as_uri()},
+            "launcher": self.launcher(),
         }
         (home / "attempt.json").write_text(json.dumps(spec))
         attempt: list[subprocess.Popen] = []  # the live attempt, for the step kills
@@ -431,7 +499,7 @@ class Soak:
                         keys.append("/".join(parts[:-1]))
             return keys
 
-        def watch():  # the reader and the fault schedule
+        def schedule():  # the reader and the fault schedule
             from vlm_assets.launch.local import alive
 
             pending, ballast = list(faults), None
@@ -439,6 +507,8 @@ class Soak:
                 if ballast and not any(alive(pid) for pid in ballast[1].victims):
                     ballast[0].unlink()  # the attempt that met the full disk has ended: space is back
                     ballast = None
+                elif ballast:
+                    fill(scratch)  # still full: space freed since (an uploaded checkpoint's staging) is taken
                 with contextlib.suppress(Exception):  # a key deleted by keep_last between list and read
                     for prefix_ in (target.asset, target.upstream):
                         for key in reader.list_complete(prefix_):
@@ -462,6 +532,8 @@ class Soak:
                             attempt[-1].send_signal(signal.SIGKILL)
                         else:
                             fault.note = "no attempt running"
+                    elif fault.kind in POD_KINDS:
+                        self.hit_pod(fault)
                     elif fault.kind == "disk-full":
                         fault.victims = tuple(processes(target.module, str(home))["worker"])
                         if fault.victims:
@@ -475,6 +547,13 @@ class Soak:
                         else:
                             fault.note = "no process left to kill"
                 stop.wait(0.2)
+
+        def watch():
+            try:
+                schedule()
+            except Exception as error:  # a broken soak must not pass for a platform that never recovers
+                torn.append(f"the soak's watcher failed: {error!r}")
+                (scratch / ".ballast").unlink(missing_ok=True)
 
         watcher = threading.Thread(target=watch, daemon=True)
         started = time.monotonic()
@@ -545,6 +624,8 @@ class Soak:
         left = processes(target.module, str(home))
         if left["agent"] or left["worker"]:
             problems.append(f"processes left: {left}")
+        if self.k8s is not None and (objects := self.k8s_objects()):
+            problems.append(f"k8s objects left: {objects}")
         if leases := reader.list_leases():
             problems.append(f"leases left: {[lease.describe() for lease in leases]}")
         if left := sorted(scratch.glob("*")):
@@ -588,16 +669,21 @@ def run_attempt(spec_file: str) -> int:
     from vlm_assets.defs.data.token_assets import token_shards
     from vlm_assets.defs.models.gpt_assets import gpt_checkpoint
     from vlm_assets.defs.models.visualchat_assets import visualchat_model
-    from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
+    from vlm_assets.defs.platform.launcher import K8sTorchrunLauncher, LocalTorchrunLauncher
     from vlm_assets.defs.platform.storage import S3ArtifactStoreResource
     from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 
     spec = json.loads(Path(spec_file).read_text())
+    launcher = dict(spec["launcher"])
+    if launcher.pop("kind") == "k8s":  # a port of its own: a killed attempt's pods may hold the last one
+        launcher = K8sTorchrunLauncher(**launcher, rendezvous_port=free_port())
+    else:
+        launcher = LocalTorchrunLauncher(**launcher)
     known = {a.key.to_user_string(): a for a in (occlusion_manifests, token_shards, gpt_checkpoint, visualchat_model)}
     resources = {
         "artifact_store": S3ArtifactStoreResource(**spec["store"]),
         "mlflow": MlflowTrackingResource(**spec["mlflow"]),
-        "launcher": LocalTorchrunLauncher(),
+        "launcher": launcher,
     }
     with dg.DagsterInstance.get() as instance:
         result = dg.materialize(
@@ -655,12 +741,23 @@ def main(argv=None) -> int:
         help="this schedule in every run instead of drawn ones: KIND@STEP[:SIZE] (SIZE: S3 writes failed, MLflow "
         "down seconds)",
     )
+    parser.add_argument(
+        "--launcher",
+        choices=("local", "k8s"),
+        default="local",
+        help="k8s: pods through --kubeconfig's API server (unset: the loopback testbed, started here), and the pod "
+        "faults (deletion, eviction) among the drawn ones",
+    )
+    parser.add_argument("--kubeconfig", help="--launcher k8s: an existing cluster's kubeconfig")
+    parser.add_argument("--namespace", default="soak", help="--launcher k8s: the namespace made for the pods")
     parser.add_argument("--attempt", help=argparse.SUPPRESS)  # the soak's own: run one attempt (run_attempt)
     args = parser.parse_args(argv)
     if args.attempt:
         return run_attempt(args.attempt)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.launcher != "k8s" and any(f.kind in POD_KINDS for f in args.faults or ()):
+        parser.error(f"--faults {', '.join(POD_KINDS)}: pods are the k8s launcher's (--launcher k8s)")
     if (status := in_private_mounts(sys.argv[1:] if argv is None else argv)) is not None:
         return status
     args.out = args.out or tempfile.mkdtemp(prefix="vlm-soak-")
@@ -681,7 +778,8 @@ def main(argv=None) -> int:
                 print(f"--max-minutes {args.max_minutes} reached: {i} of {args.runs} runs done", file=sys.stderr)
                 break
             target = targets[i % len(targets)]
-            schedule = draw_schedule(rng, soak.checkpoint_steps(target))
+            kinds = KINDS if args.launcher == "k8s" else tuple(k for k in KINDS if k not in POD_KINDS)
+            schedule = draw_schedule(rng, soak.checkpoint_steps(target), kinds)
             if args.faults:
                 schedule = [dataclasses.replace(f) for f in args.faults]
             row = soak.materialize(f"run{i}", target, schedule)

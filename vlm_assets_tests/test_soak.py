@@ -82,3 +82,43 @@ def test_lost_work_is_judged_by_the_faults_that_ended_an_attempt():
     ]
     assert soak.work_lost([worker], [], 0, None) == ["1 kill(s) but 0 retries"]
     assert soak.work_lost([soak.Fault("disk-full", 12, fired_at=12)], ["disk_full"], 1, 12.0) == []
+
+
+FULL_DISK = """
+import os, subprocess, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import soak
+disk = Path(sys.argv[2])
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "soak-test", str(disk)], check=True)
+free = lambda: os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+staged = disk / "step-4"
+staged.write_bytes(os.urandom((3 << 20) + 4096))  # being uploaded; its odd page makes a short write
+ballast = soak.fill(disk)
+print(free(), ballast.stat().st_size)
+staged.unlink()  # its upload done: its staging goes
+print(free())
+soak.fill(disk)  # the watcher's next tick
+print(free())
+"""
+
+
+def test_the_full_disk_stays_full_until_its_fault_ends(tmp_path):
+    """The soak's disk-full fault, on a small tmpfs: the ballast takes every byte without failing on a
+    short write (a buffered file raised ENOSPC again on close, which killed the fault schedule with the
+    disk left full: a VisualChat run never recovered), and takes back what a finished upload's staging
+    frees (else the next checkpoint fits again and the fault does nothing)."""
+    soak = _soak_module()
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = subprocess.run(
+        [*soak.UNSHARE, sys.executable, "-c", FULL_DISK, str(REPO / "bench"), str(disk)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (full, size), (freed,), (refilled,) = [map(int, line.split()) for line in proc.stdout.splitlines()]
+    assert full == 0 and size >= 4 << 20  # full, with the 3 MiB staged beside the ballast
+    assert freed >= 3 << 20
+    assert refilled == 0

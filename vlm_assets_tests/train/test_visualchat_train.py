@@ -327,6 +327,46 @@ def test_a_loader_restored_in_its_second_epoch_goes_on_with_that_epochs_order():
         assert restored.sampler.epoch == 1
 
 
+def test_a_run_resumed_at_its_epochs_last_step_goes_on_with_the_next_epochs_order(tmp_path):
+    """A checkpoint saved after the last batch of an epoch (bench/soak.py: VisualChat resumed at step 16,
+    its first epoch's last): Lightning resumes in the next epoch, which must be that epoch's whole order
+    (the restored position had emptied it, and the run went on with the epoch after)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from vlm_assets.train.visualchat_train import EpochSampler
+
+    class Recorder(L.LightningModule):
+        def __init__(self, stop_at: int | None = None):
+            super().__init__()
+            self.w, self.seen, self.stop_at = torch.nn.Parameter(torch.zeros(1)), [], stop_at
+
+        def training_step(self, batch, batch_idx):
+            if self.global_step == self.stop_at:
+                raise RuntimeError("stopped")  # as a kill: no checkpoint past step 4
+            self.seen.append((self.global_step, batch.tolist()))
+            return (self.w * batch.float()).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(module: Recorder, folder: str, ckpt_path: str | None = None) -> None:
+        data = list(range(8))  # 4 steps an epoch
+        loader = StatefulDataLoader(data, batch_size=2, sampler=EpochSampler(data, num_replicas=1, rank=0, seed=3))
+        every4 = ModelCheckpoint(dirpath=tmp_path / folder, every_n_train_steps=4, save_top_k=-1)
+        trainer = L.Trainer(
+            max_steps=10, logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[every4]
+        )
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+
+    fit(uninterrupted := Recorder(), "a")
+    with pytest.raises(RuntimeError, match="stopped"):
+        fit(Recorder(stop_at=5), "b")
+    fit(resumed := Recorder(), "c", ckpt_path=str(next((tmp_path / "b").glob("*step=4.ckpt"))))
+    assert resumed.seen == uninterrupted.seen[4:]
+
+
 def test_the_held_out_evaluation_leaves_every_module_in_its_mode(inputs):
     """A fresh run evaluates the untrained model before training, a resumed one does not: the evaluation
     must leave the frozen decoder (eval mode, no dropout) as it found it, or the two runs train different
