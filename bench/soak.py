@@ -4,33 +4,38 @@
     python bench/soak.py --runs 6 --seed 1                 # CI size: 24 steps, a checkpoint every 6
     python bench/soak.py --runs 4 --seed 2 --demo          # the demo profile's GPT (40 steps, 256 tokens)
     python bench/soak.py --runs 6 --seed 3 --assets gpt_checkpoint visualchat_model   # in turn
+    python bench/soak.py --runs 6 --seed 4 --launcher k8s  # pods on the loopback Kubernetes testbed
 
 One uninterrupted reference run of each asset, then ``--runs`` materializations of the same configs
 (the assets in turn), each into a fresh prefix of a real S3 server (moto, on loopback) behind a fault
-proxy, through the real launcher and Dagster's RetryPolicy: ``gpt_checkpoint`` (with its ``token_shards``)
-on 2 torchrun nodes of 1 process, DDP (24 steps, a checkpoint every 6); ``visualchat_model`` (with its
-``occlusion_manifests``: 80 Fashion-MNIST images) with a tiny CLIP and a tiny GPT-2 on 1 node of 2
-processes, ZeRO-2 (24 steps, a checkpoint every 4; ``--demo``: 48 every 8). Each run gets 1 or 2 faults
-from a schedule drawn from ``--seed``, each fired once a checkpoint at or past a drawn step is committed:
-a SIGKILL of a training worker or of a torchrun agent, the S3 server answering 500 or dropping the
-connection for the next 1-8 writes (a checkpoint's or the final commit's; boto3 retries 4 times on its
-own, so a longer outage reaches the retry rule), the run's scratch disk filled up until the attempt
-that meets it has ended (its next checkpoint write fails: the retry rule's ``disk_full``), or the MLflow
-server (a real one, on loopback behind the same kind of proxy) refusing every request for 5-60 s. Each
-run's scratch (``runs/``, where checkpoints are staged) is a 256 MiB tmpfs: the soak runs itself in a
-private mount namespace (``unshare``), so nothing outside it sees the mounts. A reader polls the store
+proxy, through the real launcher (local torchrun, or ``--launcher k8s``: pods through a real API
+server, scheduler and controllers) and Dagster's RetryPolicy. Each attempt is a Dagster run of its own
+process (the run worker), its steps in processes it spawns (the multiprocess executor):
+``gpt_checkpoint`` (with its ``token_shards``) on 2 nodes of 1 process, DDP (24 steps, a checkpoint every
+6); ``visualchat_model`` (with its ``occlusion_manifests``: 80 Fashion-MNIST images) with a tiny CLIP and
+a tiny GPT-2 on 1 node of 2 processes, ZeRO-2 (24 steps, a checkpoint every 4; ``--demo``: 48 every 8).
+Each run gets 1 or 2 faults from a schedule drawn from ``--seed``, each fired once a checkpoint at or
+past a drawn step is committed: a SIGKILL of a training worker, of a torchrun agent, of the step process
+or of the run worker; a pod deleted or evicted (``--launcher k8s``); the S3 server answering 500 or
+dropping the connection for the next 1-8 writes (a checkpoint's or the final commit's; boto3 retries 4
+times on its own, so a longer outage reaches the retry rule); the run's scratch disk kept full until the
+attempt that meets it has ended (its next checkpoint write fails: the retry rule's ``disk_full``); or the
+MLflow server (a real one, on loopback behind the same kind of proxy) refusing every request for 5-60 s.
+Each run's scratch (``runs/``, where checkpoints are staged) is a 256 MiB tmpfs: the soak runs itself in
+a private mount namespace (``unshare``), so nothing outside it sees the mounts. A reader polls the store
 all along.
 
-More faults than the RetryPolicy's 2 retries fail the run: the soak then runs the same key again, as
-a user or the schedule would, up to twice (a relaunch, counted as a retry).
+More faults than the RetryPolicy's 2 retries fail the run, and a killed run worker cannot fail at all:
+the soak then runs the same key again, as a user or the schedule would (a relaunch, counted as a retry).
 
 Invariants checked after every run (any violation: exit 1): it ended with exactly one materialization
 and one committed key; its loss (GPT's val loss, VisualChat's held-out loss of the merged model) equals
 the reference's within 1e-5 (the README's resume tolerance); every kill resumed from the last checkpoint
-committed before it (lost work < one checkpoint interval); no training process, lease, scratch directory
-or RUNNING MLflow run is left; the reader never saw a committed key whose files disagree with its manifest.
-Prints one row per run (with its time lost: its seconds less its reference's) and writes ``soak.json``
-(faults, retries, causes, resumed-from step, time, the final artifact's key and sha256 digest) into ``--out``.
+committed before it (lost work < one checkpoint interval); no training process, pod, lease, scratch
+directory, Dagster run in progress or RUNNING MLflow run is left; the reader never saw a committed key
+whose files disagree with its manifest. Prints one row per run (with its time lost: its seconds less its
+reference's) and writes ``soak.json`` (faults, retries, causes, resumed-from step, time, the final
+artifact's key and sha256 digest) into ``--out``.
 """
 
 import argparse
@@ -51,7 +56,18 @@ import threading
 import time
 from pathlib import Path
 
-KINDS = ("worker", "agent", "s3-500", "s3-drop", "disk-full", "mlflow-down", "step", "pod-delete", "pod-evict")
+KINDS = (
+    "worker",
+    "agent",
+    "s3-500",
+    "s3-drop",
+    "disk-full",
+    "mlflow-down",
+    "step",
+    "run-worker",
+    "pod-delete",
+    "pod-evict",
+)
 POD_KINDS = ("pod-delete", "pod-evict")  # the k8s launcher's only (--launcher k8s)
 SCRATCH_MIB = 256  # each run's scratch tmpfs: room for a few tiny-GPT checkpoints being staged
 IN_NAMESPACE = "VLM_SOAK_MOUNT_NAMESPACE"
@@ -189,7 +205,9 @@ class Fault:
     kind: str
     after_step: int  # fired once a checkpoint at or past this step is committed
     size: int = 0  # S3 faults: how many writes fail; mlflow-down: for how many seconds
-    victims: tuple[int, ...] = ()  # disk-full: the workers that must end before the space comes back
+    # the training workers alive when it fired: the launch it hit (disk-full: they must end before the
+    # space comes back)
+    victims: tuple[int, ...] = ()
     fired_at: int | None = None  # the last committed checkpoint step when it fired
     note: str = ""
 
@@ -235,7 +253,7 @@ def failure_causes(events: list, asset: str = "gpt_checkpoint") -> list[str]:
 
 
 # S3 and MLflow outages end one only when past the clients' retries
-ENDS_AN_ATTEMPT = ("worker", "agent", "disk-full", "step", *POD_KINDS)
+ENDS_AN_ATTEMPT = ("worker", "agent", "disk-full", "step", "run-worker", *POD_KINDS)
 
 
 def work_lost(faults: list[Fault], causes: list[str], retries: int, resumed_from_step: float | None) -> list[str]:
@@ -249,8 +267,10 @@ def work_lost(faults: list[Fault], causes: list[str], retries: int, resumed_from
     last = max((f.fired_at for f in ended), default=None)
     if retries and last is not None and resumed_from_step is not None and resumed_from_step < last:
         problems.append(f"resumed from step {resumed_from_step}, but step {last} was committed before the last fault")
-    if retries < len(kills := [f for f in fired if f.kind in ("worker", "agent", "step", *POD_KINDS)]):
-        problems.append(f"{len(kills)} kill(s) but {retries} retries")
+    # Two kills that hit one launch (the second fired before the first was noticed) end one attempt.
+    kills = [f for f in fired if f.kind in ("worker", "agent", "step", "run-worker", *POD_KINDS)]
+    if retries < len(ended_attempts := {f.victims[0] if f.victims else id(f) for f in kills}):
+        problems.append(f"{len(kills)} kill(s) ending {len(ended_attempts)} attempt(s) but {retries} retries")
     return problems
 
 
@@ -259,6 +279,18 @@ def processes(module: str, marker: str) -> dict[str, list[int]]:
     from vlm_assets.launch.local import training_processes
 
     return training_processes(module, marker)
+
+
+def pod_process_groups(pod: str) -> list[int]:
+    """The process groups the testbed's kubelet runs a pod's containers in (each its own session, with
+    the pod's name as ``HOSTNAME``)."""
+    groups = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            pid = int(environ.parent.name)
+            if f"HOSTNAME={pod}".encode() in environ.read_bytes().split(b"\0") and os.getpgid(pid) == pid:
+                groups.append(pid)
+    return groups
 
 
 def serve(command: list[str], port: int, what: str, log: Path) -> subprocess.Popen:
@@ -321,28 +353,30 @@ class Soak:
         self.k8s = self.start_k8s() if args.launcher == "k8s" else None
 
     def start_k8s(self):
-        """The k8s launcher's cluster: ``--kubeconfig``'s, or the loopback testbed (a real API server,
-        scheduler and controllers; pods are local processes: ``vlm_assets_tests/k8s/testbed``) started
-        here, inside the soak's mount namespace so that pods see the scratch tmpfs. The pods run in
-        namespace ``soak``; the core API client."""
+        """The k8s launcher's cluster: the loopback testbed (a real API server, scheduler and controllers;
+        pods are local processes: ``vlm_assets_tests/k8s/testbed``; its ports are fixed, so not beside the
+        k8s tests), started here, inside the soak's mount namespace, so that pods see the scratch tmpfs.
+        The pods run in namespace ``soak``; the core API client."""
         from kubernetes import client, config
 
         from vlm_assets_tests.k8s.testbed_fixtures import TESTBED, wait_for_default_service_account
 
-        if not self.args.kubeconfig:
-            build = subprocess.run([str(TESTBED / "build.sh")], capture_output=True, text=True)
-            if build.returncode != 0:
-                raise SystemExit(f"building the k8s testbed failed:\n{build.stdout[-2000:]}{build.stderr[-2000:]}")
-            run_dir = self.root / "k8s"
-            env = {**os.environ, "TESTBED_PYTHON": sys.executable, "FAKE_KUBELET_CWD": str(REPO)}
-            start = subprocess.run([str(TESTBED / "start.sh"), str(run_dir)], env=env, capture_output=True, text=True)
-            self.testbed = run_dir
-            if start.returncode != 0:
-                raise SystemExit(f"starting the k8s testbed failed:\n{start.stdout[-2000:]}{start.stderr[-2000:]}")
-            self.args.kubeconfig = str(run_dir / "pki" / "kubeconfig")
-        core = client.CoreV1Api(config.new_client_from_config(config_file=self.args.kubeconfig))
-        core.create_namespace({"metadata": {"name": self.args.namespace}})
-        wait_for_default_service_account(core, self.args.namespace)
+        build = subprocess.run([str(TESTBED / "build.sh")], capture_output=True, text=True)
+        if build.returncode != 0:
+            raise SystemExit(f"building the k8s testbed failed:\n{build.stdout[-2000:]}{build.stderr[-2000:]}")
+        self.testbed = self.root / "k8s"
+        env = {**os.environ, "TESTBED_PYTHON": sys.executable, "FAKE_KUBELET_CWD": str(REPO)}
+        # moto's keys, in every pod as a node's credentials would be (the launcher refuses keys in the pod
+        # spec, and the testbed's kubelet does not mount a Secret's envFrom)
+        env.update({f"FAKE_KUBELET_ENV_{k}": os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
+        start = subprocess.run([str(TESTBED / "start.sh"), str(self.testbed)], env=env, capture_output=True, text=True)
+        if start.returncode != 0:
+            subprocess.run([str(TESTBED / "stop.sh"), str(self.testbed)])
+            raise SystemExit(f"starting the k8s testbed failed:\n{start.stdout[-2000:]}{start.stderr[-2000:]}")
+        self.kubeconfig = str(self.testbed / "pki" / "kubeconfig")
+        core = client.CoreV1Api(config.new_client_from_config(config_file=self.kubeconfig))
+        core.create_namespace({"metadata": {"name": "soak"}})
+        wait_for_default_service_account(core, "soak")
         return core
 
     def k8s_objects(self) -> list[str]:
@@ -350,30 +384,32 @@ class Soak:
 
         from vlm_assets_tests.k8s.testbed_fixtures import launcher_objects
 
-        return launcher_objects(self.k8s, client.BatchV1Api(self.k8s.api_client), self.args.namespace)
+        return launcher_objects(self.k8s, client.BatchV1Api(self.k8s.api_client), "soak")
 
     def hit_pod(self, fault: Fault) -> None:
         """Delete one running pod of the launch (a user's ``kubectl delete``, a drained node), or mark it
         evicted as a kubelet under node pressure writes it (the testbed has no real eviction)."""
-        pods = [p for p in self.k8s.list_namespaced_pod(self.args.namespace).items if p.status.phase == "Running"]
+        pods = [p for p in self.k8s.list_namespaced_pod("soak").items if p.status.phase == "Running"]
         if not pods:
             fault.note = "no pod running"
             return
         pod = random.Random(fault.after_step).choice(sorted(pods, key=lambda p: p.metadata.name)).metadata.name
         if fault.kind == "pod-delete":
-            self.k8s.delete_namespaced_pod(pod, self.args.namespace)
-        else:
-            status = {"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."}
-            self.k8s.patch_namespaced_pod_status(pod, self.args.namespace, {"status": status})
+            self.k8s.delete_namespaced_pod(pod, "soak")
+            return
+        status = {"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."}
+        self.k8s.patch_namespaced_pod_status(pod, "soak", {"status": status})
+        for group in pod_process_groups(pod):  # and its containers killed, as the kubelet does
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
 
     def launcher(self) -> dict:
         """The attempt's launcher: local torchrun, or pods through ``--kubeconfig``'s API server."""
         if self.k8s is None:
             return {"kind": "local"}
         env = {"OMP_NUM_THREADS": "1", "VLM_ASSETS_NODES_SHARE_HOST": "1"}
-        env.update({k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})  # moto's: not secret
         env.update({k: os.environ[k] for k in ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "HOME") if k in os.environ})
-        settings = {"namespace": self.args.namespace, "kubeconfig": self.args.kubeconfig, "python": sys.executable}
+        settings = {"namespace": "soak", "kubeconfig": self.kubeconfig, "python": sys.executable}
         # pod DNS names do not resolve on the testbed: the rendezvous is on loopback
         settings.update(rendezvous_host="127.0.0.1", pending_timeout_s=60, env=env)
         return {"kind": "k8s", **settings}
@@ -397,7 +433,7 @@ class Soak:
         return boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
 
     def close(self):
-        if getattr(self, "testbed", None):
+        if self.k8s is not None:
             subprocess.run([str(REPO / "vlm_assets_tests" / "k8s" / "testbed" / "stop.sh"), str(self.testbed)])
         for proxy in (self.proxy, self.mlflow_proxy):
             proxy.server.shutdown()
@@ -523,19 +559,24 @@ class Soak:
                 if pending and steps and steps[-1] >= pending[0].after_step:
                     fault = pending.pop(0)
                     fault.fired_at = steps[-1]
+                    fault.victims = tuple(sorted(processes(target.module, str(home))["worker"]))
                     if fault.kind.startswith("s3"):
                         self.proxy.arm(fault.kind, fault.size)
                     elif fault.kind == "mlflow-down":
                         self.mlflow_proxy.down_for(fault.size)
-                    elif fault.kind == "step":
+                    elif fault.kind == "run-worker":
                         if attempt and attempt[-1].poll() is None:
                             attempt[-1].send_signal(signal.SIGKILL)
                         else:
                             fault.note = "no attempt running"
+                    elif fault.kind == "step":
+                        if attempt and (spawned := step_processes(attempt[-1].pid)):
+                            os.kill(spawned[-1], signal.SIGKILL)
+                        else:
+                            fault.note = "no step process running"
                     elif fault.kind in POD_KINDS:
                         self.hit_pod(fault)
                     elif fault.kind == "disk-full":
-                        fault.victims = tuple(processes(target.module, str(home))["worker"])
                         if fault.victims:
                             ballast = (fill(scratch), fault)
                         else:
@@ -562,9 +603,9 @@ class Soak:
         try:
             # More faults than the RetryPolicy's 2 retries fail the run; the next run of the same key
             # (a user's, a schedule's) must then resume: the soak relaunches it, up to twice, and once
-            # more for each attempt whose step process it killed.
+            # more for each attempt whose step process or run worker it killed.
             retries, relaunches, run_ids, events, causes, success = 0, 0, [], [], [], False
-            limit = 2 + len([f for f in faults if f.kind == "step"])
+            limit = 2 + len([f for f in faults if f.kind in ("step", "run-worker")])
             with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
                 while True:
                     known = {run.run_id for run in instance.get_runs()}
@@ -584,7 +625,7 @@ class Soak:
                     if success or relaunches == limit:
                         break
                     if attempt[-1].returncode == -signal.SIGKILL:
-                        causes.append("step:killed")
+                        causes.append("run-worker:killed")
                     relaunches += 1
                     retries += 1  # the relaunch is a retry too
                 left_running = [
@@ -659,10 +700,14 @@ class Soak:
         }
 
 
-def run_attempt(spec_file: str) -> int:
-    """One attempt of a soak run: a Dagster run of the spec's assets in this process, which is its run
-    worker and its step process (the in-process executor), recorded in ``$DAGSTER_HOME``'s instance.
-    The soak's ``step`` fault SIGKILLs it."""
+ATTEMPT = "VLM_SOAK_ATTEMPT"  # the attempt's spec (attempt.json), for soak_job in its step processes
+
+
+def soak_job():
+    """The attempt's job, rebuilt from ``$VLM_SOAK_ATTEMPT`` in the run worker and in each step process:
+    the spec's assets with its resources, under Dagster's multiprocess executor with spawned step
+    processes (as ``dagster job execute`` runs a job), so that the run worker and the training step
+    are processes apart: the ``run-worker`` fault kills the one, the ``step`` fault the other."""
     import dagster as dg
 
     from vlm_assets.defs.data.occlusion_assets import occlusion_manifests
@@ -673,7 +718,7 @@ def run_attempt(spec_file: str) -> int:
     from vlm_assets.defs.platform.storage import S3ArtifactStoreResource
     from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 
-    spec = json.loads(Path(spec_file).read_text())
+    spec = json.loads(Path(os.environ[ATTEMPT]).read_text())
     launcher = dict(spec["launcher"])
     if launcher.pop("kind") == "k8s":  # a port of its own: a killed attempt's pods may hold the last one
         launcher = K8sTorchrunLauncher(**launcher, rendezvous_port=free_port())
@@ -685,15 +730,36 @@ def run_attempt(spec_file: str) -> int:
         "mlflow": MlflowTrackingResource(**spec["mlflow"]),
         "launcher": launcher,
     }
+    executor = dg.multiprocess_executor.configured({"start_method": {"spawn": {}}})
+    job = dg.define_asset_job("soak", selection=spec["assets"], executor_def=executor)
+    defs = dg.Definitions(assets=[known[name] for name in spec["assets"]], resources=resources, jobs=[job])
+    return defs.resolve_job_def("soak")
+
+
+def run_attempt(spec_file: str) -> int:
+    """One attempt of a soak run: a Dagster run of the spec's assets, this process its run worker, the
+    steps in processes of their own; recorded in ``$DAGSTER_HOME``'s instance."""
+    import dagster as dg
+
+    os.environ[ATTEMPT] = str(Path(spec_file).resolve())
+    spec = json.loads(Path(spec_file).read_text())
     with dg.DagsterInstance.get() as instance:
-        result = dg.materialize(
-            [known[name] for name in spec["assets"]],
-            resources=resources,
-            run_config=spec["run_config"],
-            instance=instance,
-            raise_on_error=False,
+        result = dg.execute_job(
+            dg.reconstructable(soak_job), instance, run_config=spec["run_config"], raise_on_error=False
         )
     return 0 if result.success else 1
+
+
+def step_processes(worker: int) -> list[int]:
+    """The step processes the run worker ``worker`` spawned (the multiprocess executor's children)."""
+    from vlm_assets.launch.local import alive, process_tree
+
+    found = []
+    for pid in process_tree(worker)[1:]:
+        with contextlib.suppress(OSError):
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes() and alive(pid):
+                found.append(pid)
+    return found
 
 
 def table(rows: list[dict]) -> str:
@@ -745,11 +811,9 @@ def main(argv=None) -> int:
         "--launcher",
         choices=("local", "k8s"),
         default="local",
-        help="k8s: pods through --kubeconfig's API server (unset: the loopback testbed, started here), and the pod "
-        "faults (deletion, eviction) among the drawn ones",
+        help="k8s: pods on the loopback Kubernetes testbed (started here; not beside the k8s tests: its ports are "
+        "fixed), and the pod faults (deletion, eviction) among the drawn ones",
     )
-    parser.add_argument("--kubeconfig", help="--launcher k8s: an existing cluster's kubeconfig")
-    parser.add_argument("--namespace", default="soak", help="--launcher k8s: the namespace made for the pods")
     parser.add_argument("--attempt", help=argparse.SUPPRESS)  # the soak's own: run one attempt (run_attempt)
     args = parser.parse_args(argv)
     if args.attempt:
