@@ -209,6 +209,7 @@ class Fault:
     # space comes back)
     victims: tuple[int, ...] = ()
     fired_at: int | None = None  # the last committed checkpoint step when it fired
+    fired_time: float | None = None  # and when (wall clock)
     note: str = ""
 
 
@@ -252,23 +253,24 @@ def failure_causes(events: list, asset: str = "gpt_checkpoint") -> list[str]:
     return causes
 
 
-# S3 and MLflow outages end one only when past the clients' retries
-ENDS_AN_ATTEMPT = ("worker", "agent", "disk-full", "step", "run-worker", *POD_KINDS)
+KILLS = ("worker", "agent", "step", "run-worker", *POD_KINDS)
 
 
-def work_lost(faults: list[Fault], causes: list[str], retries: int, resumed_from_step: float | None) -> list[str]:
-    """Nothing committed before a fault that ended an attempt is trained again: the last retry resumes
-    from at least the checkpoint committed before the last such fault (lost work < one checkpoint
-    interval); every kill cost a retry. An outage counts only when the retry rule read one
-    (``unreachable``): the S3 and MLflow clients' own retries absorb the short ones."""
+def work_lost(faults: list[Fault], failures: list[float], retries: int, resumed_from_step: float | None) -> list[str]:
+    """Nothing committed before a fault that ended an attempt is trained again: the attempt that succeeded
+    resumed from at least the checkpoint committed before the last fault that fired before the last
+    failure (``failures``: when each failed attempt ended, wall clock), so lost work is under one
+    checkpoint interval; a fault after the last failure (an outage the S3 or MLflow client rode out) ended
+    nothing. Every launch a kill hit cost a retry."""
     fired = [f for f in faults if f.fired_at is not None and not f.note]
-    ended = [f for f in fired if f.kind in ENDS_AN_ATTEMPT or "unreachable" in causes]
+    last_failure = max(failures, default=None)
+    ended = [f for f in fired if last_failure is not None and f.fired_time is not None and f.fired_time < last_failure]
     problems = []
     last = max((f.fired_at for f in ended), default=None)
-    if retries and last is not None and resumed_from_step is not None and resumed_from_step < last:
+    if last is not None and resumed_from_step is not None and resumed_from_step < last:
         problems.append(f"resumed from step {resumed_from_step}, but step {last} was committed before the last fault")
     # Two kills that hit one launch (the second fired before the first was noticed) end one attempt.
-    kills = [f for f in fired if f.kind in ("worker", "agent", "step", "run-worker", *POD_KINDS)]
+    kills = [f for f in fired if f.kind in KILLS]
     if retries < len(ended_attempts := {f.victims[0] if f.victims else id(f) for f in kills}):
         problems.append(f"{len(kills)} kill(s) ending {len(ended_attempts)} attempt(s) but {retries} retries")
     return problems
@@ -558,7 +560,7 @@ class Soak:
                     steps[:] = sorted(int(k.rsplit("-", 1)[1]) for k in keys)
                 if pending and steps and steps[-1] >= pending[0].after_step:
                     fault = pending.pop(0)
-                    fault.fired_at = steps[-1]
+                    fault.fired_at, fault.fired_time = steps[-1], time.time()
                     fault.victims = tuple(sorted(processes(target.module, str(home))["worker"]))
                     if fault.kind.startswith("s3"):
                         self.proxy.arm(fault.kind, fault.size)
@@ -605,6 +607,7 @@ class Soak:
             # (a user's, a schedule's) must then resume: the soak relaunches it, up to twice, and once
             # more for each attempt whose step process or run worker it killed.
             retries, relaunches, run_ids, events, causes, success = 0, 0, [], [], [], False
+            failures: list[float] = []  # when each failed attempt ended
             limit = 2 + len([f for f in faults if f.kind in ("step", "run-worker")])
             with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
                 while True:
@@ -616,14 +619,22 @@ class Soak:
                     attempt[-1].wait()
                     new = [run for run in instance.get_runs() if run.run_id not in known]
                     for run in new:
-                        run_events = [e.dagster_event for e in instance.all_logs(run.run_id) if e.dagster_event]
+                        entries = [e for e in instance.all_logs(run.run_id) if e.dagster_event]
+                        run_events = [e.dagster_event for e in entries]
                         events += run_events
+                        failures += [
+                            e.timestamp
+                            for e in entries
+                            if e.dagster_event.step_key == target.asset
+                            and e.dagster_event.event_type_value in ("STEP_UP_FOR_RETRY", "STEP_FAILURE")
+                        ]
                         retries += len([e for e in run_events if e.event_type_value == "STEP_UP_FOR_RETRY"])
                         causes += failure_causes(run_events, target.asset)
                         success = run.status == dg.DagsterRunStatus.SUCCESS
                     run_ids += [run.run_id for run in new]
                     if success or relaunches == limit:
                         break
+                    failures.append(time.time())  # the attempt's process has ended (a killed run worker writes nothing)
                     if attempt[-1].returncode == -signal.SIGKILL:
                         causes.append("run-worker:killed")
                     relaunches += 1
@@ -679,7 +690,7 @@ class Soak:
             statuses += [r.info.status for r in found]
         if "RUNNING" in statuses:
             problems.append(f"MLflow runs left RUNNING: {statuses}")
-        problems += work_lost(faults, causes, retries, meta.get("resumed_from_step") if meta else None)
+        problems += work_lost(faults, failures, retries, meta.get("resumed_from_step") if meta else None)
         return {
             "name": name,
             "asset": target.asset,

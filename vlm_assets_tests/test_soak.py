@@ -69,29 +69,36 @@ def _soak_module():
 
 
 def test_lost_work_is_judged_by_the_faults_that_ended_an_attempt():
-    """The soak's own check, on the run that found it wrong (seed 226, run 2): an agent killed after
-    step 6, then MLflow down for 39 s after step 18, which the client's retries rode out. The one retry
-    rightly resumed from step 6; an outage counts only when the retry rule read one."""
+    """The soak's own check, on the runs that found it wrong. Seed 226, run 2: an agent killed after step
+    6, then MLflow down for 39 s after step 18, which the client's retries rode out: the one retry rightly
+    resumed from step 6. Seed 20, run 3 (VisualChat): the S3 server dropped 6 writes after step 8 (two
+    attempts failed `unreachable` and resumed from 8), then MLflow was down after step 16, ridden out by
+    the last attempt: a fault ends an attempt only when a failure came after it."""
     soak = _soak_module()
-    agent, mlflow_down = soak.Fault("agent", 6, fired_at=6), soak.Fault("mlflow-down", 18, 39, fired_at=18)
-    assert soak.work_lost([agent, mlflow_down], ["killed"], 1, 6.0) == []
-    # the same outage past the client's retries: its attempt failed, so the resume must be from >= 18
-    assert soak.work_lost([agent, mlflow_down], ["killed", "unreachable"], 2, 6.0) == [
+
+    def fault(kind, step, at, size=0, victims=()):
+        return soak.Fault(kind, step, size, victims=victims, fired_at=step, fired_time=at)
+
+    agent, mlflow_down = fault("agent", 6, at=1.0), fault("mlflow-down", 18, at=3.0, size=39)
+    assert soak.work_lost([agent, mlflow_down], [2.0], 1, 6.0) == []
+    # the same outage past the client's retries: an attempt failed after it, so the resume must be from >= 18
+    assert soak.work_lost([agent, mlflow_down], [2.0, 4.0], 2, 6.0) == [
         "resumed from step 6.0, but step 18 was committed before the last fault"
     ]
-    worker = soak.Fault("worker", 12, fired_at=12)
-    assert soak.work_lost([worker], ["killed"], 1, 6.0) == [
+    drop, mlflow_down = fault("s3-drop", 8, at=1.0, size=6), fault("mlflow-down", 16, at=4.0, size=26)
+    assert soak.work_lost([drop, mlflow_down], [2.0, 3.0], 2, 8.0) == []
+    worker = fault("worker", 12, at=1.0)
+    assert soak.work_lost([worker], [2.0], 1, 6.0) == [
         "resumed from step 6.0, but step 12 was committed before the last fault"
     ]
     assert soak.work_lost([worker], [], 0, None) == ["1 kill(s) ending 1 attempt(s) but 0 retries"]
-    assert soak.work_lost([soak.Fault("disk-full", 12, fired_at=12)], ["disk_full"], 1, 12.0) == []
+    assert soak.work_lost([fault("disk-full", 12, at=1.0)], [2.0], 1, 12.0) == []
     # (the k8s soak: a pod evicted, then the step killed 0.2 s later, before the launcher had seen the
     # eviction): two kills of one launch (the same workers alive) end one attempt
-    evict = soak.Fault("pod-evict", 6, fired_at=6, victims=(41, 42))
-    step = soak.Fault("step", 12, fired_at=12, victims=(41, 42))
-    assert soak.work_lost([evict, step], ["step:killed"], 1, 24.0) == []
+    evict, step = fault("pod-evict", 6, at=1.0, victims=(41, 42)), fault("step", 12, at=1.2, victims=(41, 42))
+    assert soak.work_lost([evict, step], [2.0], 1, 24.0) == []
     step.victims = (51, 52)  # the retry's workers: a second attempt ended
-    assert soak.work_lost([evict, step], ["step:killed"], 1, 24.0) == ["2 kill(s) ending 2 attempt(s) but 1 retries"]
+    assert soak.work_lost([evict, step], [2.0], 1, 24.0) == ["2 kill(s) ending 2 attempt(s) but 1 retries"]
 
 
 FULL_DISK = """
