@@ -689,20 +689,26 @@ def delete_selected(core, batch, namespace: str, selector: str, wait_s: float = 
     return deleted
 
 
-def delete_orphans(core, batch, namespace: str, run_is_live: Callable[[str], bool]) -> list[str]:
+def delete_orphans(
+    core, batch, namespace: str, run_is_live: Callable[[str], bool], step: tuple[str, str] | None = None
+) -> list[str]:
     """Delete the launcher objects of Dagster runs that are no longer live (a step process killed
-    before it could clean up): run at every launch's start. Objects without a run label are kept."""
+    before it could clean up), and with ``step`` (run id, step name) those of an earlier attempt of
+    that step (Dagster runs one attempt of a step at a time, so any there are a killed attempt's, whose
+    pods would train on beside the new ones): run at every launch's start. Objects without a run label
+    are kept."""
+    selector = f"app.kubernetes.io/managed-by={MANAGED_BY}"
     runs = set()
-    for pod in core.list_namespaced_pod(namespace, label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}").items:
+    for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:
         runs.add((pod.metadata.labels or {}).get("dagster/run-id"))
-    for svc in core.list_namespaced_service(
-        namespace, label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}"
-    ).items:
+    for svc in core.list_namespaced_service(namespace, label_selector=selector).items:
         runs.add((svc.metadata.labels or {}).get("dagster/run-id"))
     deleted: list[str] = []
     for run_id in sorted(r for r in runs if r):
         if not run_is_live(run_id):
-            deleted += delete_selected(
-                core, batch, namespace, f"app.kubernetes.io/managed-by={MANAGED_BY},dagster/run-id={run_id}"
-            )
+            deleted += delete_selected(core, batch, namespace, f"{selector},dagster/run-id={run_id}")
+    if step is not None:
+        deleted += delete_selected(
+            core, batch, namespace, f"{selector},dagster/run-id={step[0]},dagster/step={step[1]}"
+        )
     return deleted

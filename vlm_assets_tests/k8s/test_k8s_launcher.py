@@ -233,25 +233,33 @@ def test_a_dropped_log_connection_is_reopened_without_losing_or_repeating_lines(
 
 
 def test_objects_of_runs_that_are_not_live_are_deleted_at_the_next_start(k8s_testbed, namespace):
-    """What a step killed outright left (nobody deleted its pods) goes at the next launch's start;
-    the pods of live runs stay."""
+    """What a step killed outright left (nobody deleted its pods) goes at the next launch's start, and
+    so do the pods of an earlier attempt of the launching step in its own live run (its step process
+    killed under the RetryPolicy: bench/soak.py --launcher k8s found them training on beside the
+    retry's, and left when it ended); the pods of other live steps stay."""
     from kubernetes import client
 
     from vlm_assets.launch.k8s import delete_orphans
 
     api = k8s_testbed.api()
     core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
-    for run_id in ("dead-run", "live-run"):
+    for run_id, step in (("dead-run", "a"), ("live-run", "a"), ("live-run", "b")):
         launch = Launch(
-            LaunchSpec(WORKER, ("--hang",), num_nodes=1),
+            LaunchSpec(WORKER, ("--hang",), num_nodes=1, name=step),
             settings(namespace, k8s_testbed.kubeconfig),
-            labels={"dagster/run-id": run_id},
+            labels={"dagster/run-id": run_id, "dagster/step": step},
         )
         core.create_namespaced_service(namespace, launch.service())
         core.create_namespaced_pod(namespace, launch.pods()[0])
     deleted = delete_orphans(core, batch, namespace, run_is_live=lambda run_id: run_id == "live-run")
     assert sorted(name.split("/")[0] for name in deleted) == ["pod", "service"]
     left = core.list_namespaced_pod(namespace).items
-    assert [p.metadata.labels["dagster/run-id"] for p in left] == ["live-run"]
+    assert sorted(p.metadata.labels["dagster/run-id"] for p in left) == ["live-run", "live-run"]
+    deleted = delete_orphans(core, batch, namespace, lambda run_id: True, step=("live-run", "b"))
+    assert sorted(name.split("/")[0] for name in deleted) == ["pod", "service"]
+    left = core.list_namespaced_pod(namespace).items
+    assert [(p.metadata.labels["dagster/run-id"], p.metadata.labels["dagster/step"]) for p in left] == [
+        ("live-run", "a")
+    ]
     assert delete_orphans(core, batch, namespace, run_is_live=lambda run_id: False)
     assert not core.list_namespaced_pod(namespace).items

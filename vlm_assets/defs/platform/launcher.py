@@ -101,6 +101,11 @@ class TrainingLauncher(dg.ConfigurableResource, ABC):
         Local processes need nothing: they die with the step (``vlm_assets.launch.lifeline``)."""
         return []
 
+    def delete_leftovers(self, context: dg.AssetExecutionContext) -> None:
+        """Before a launch's scratch is made: delete what killed attempts left running elsewhere, which
+        would otherwise go on writing (checkpoints, and their launch folder back after it was swept).
+        Local processes need nothing (they died with their step)."""
+
 
 class LocalTorchrunLauncher(TrainingLauncher):
     """One ``torchrun`` per node on this machine, c10d rendezvous on loopback; gloo on CPU, NCCL on GPUs."""
@@ -181,25 +186,34 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
             f"app.kubernetes.io/managed-by={MANAGED_BY},dagster/run-id={run_id}",
         )
 
+    def delete_leftovers(self, context: dg.AssetExecutionContext) -> None:
+        """The pods of runs whose step was killed before it could delete them (Dagster marks such runs
+        failed: run monitoring, the dead-run reaper, or the lease's next holder), and those of an earlier
+        attempt of this step of this run (a step process killed under the RetryPolicy)."""
+        from kubernetes import client
+
+        from vlm_assets.launch.k8s import api_client, delete_orphans
+
+        api = api_client(self.settings())
+        if orphans := delete_orphans(
+            client.CoreV1Api(api),
+            client.BatchV1Api(api),
+            self.namespace,
+            lambda run_id: _run_is_live(context.instance, run_id),
+            step=(context.run.run_id, context.op_execution_context.node_handle.name),
+        ):
+            context.log.warning(
+                f"deleted what killed attempts left in namespace {self.namespace}: {', '.join(orphans)}"
+            )
+
     def launch(
         self, context: dg.AssetExecutionContext, spec: LaunchSpec, extras: dict[str, Any] | None = None
     ) -> list[dg.MaterializeResult]:
-        from kubernetes import client
-
-        from vlm_assets.launch.k8s import api_client, delete_orphans, run_k8s
+        from vlm_assets.launch.k8s import api_client, run_k8s
 
         _die_with_orchestrator()  # then the run failure sensor deletes the pods it leaves
         settings = self.settings()
         api = api_client(settings)
-        # Pods of runs whose step was killed before it could delete them (Dagster marks such runs
-        # failed: run monitoring, or the dead-run reaper at this load): the cleanup on the next start.
-        if orphans := delete_orphans(
-            client.CoreV1Api(api),
-            client.BatchV1Api(api),
-            settings.namespace,
-            lambda run_id: _run_is_live(context.instance, run_id),
-        ):
-            context.log.warning(f"deleted what dead runs left in namespace {settings.namespace}: {', '.join(orphans)}")
         reader = _pod_log_reader()
 
         def on_line(node: int, line: str) -> None:
@@ -286,6 +300,7 @@ def launch_trainer(
     from vlm_assets.train.run_config import RunPaths, write_run_file
 
     name = context.asset_key.to_user_string()
+    launcher.delete_leftovers(context)  # before the sweep of dead scratch below: nothing writes it back
     with held_dir(runs_dir(), prefix=f"{name}-") as work:  # removed even if this process is killed
         paths = RunPaths(
             inputs=inputs,
