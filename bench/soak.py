@@ -389,8 +389,9 @@ class Soak:
         return launcher_objects(self.k8s, client.BatchV1Api(self.k8s.api_client), "soak")
 
     def hit_pod(self, fault: Fault) -> None:
-        """Delete one running pod of the launch (a user's ``kubectl delete``, a drained node), or mark it
-        evicted as a kubelet under node pressure writes it (the testbed has no real eviction)."""
+        """Delete one running pod of the launch (a user's ``kubectl delete``, a drained node), or evict it
+        as a kubelet under node pressure does: its status written ``Failed``/``Evicted``, its containers
+        killed (the testbed's kubelet evicts nothing itself)."""
         pods = [p for p in self.k8s.list_namespaced_pod("soak").items if p.status.phase == "Running"]
         if not pods:
             fault.note = "no pod running"
@@ -406,7 +407,7 @@ class Soak:
                 os.killpg(group, signal.SIGKILL)
 
     def launcher(self) -> dict:
-        """The attempt's launcher: local torchrun, or pods through ``--kubeconfig``'s API server."""
+        """The attempt's launcher: local torchrun, or pods through the testbed's API server."""
         if self.k8s is None:
             return {"kind": "local"}
         env = {"OMP_NUM_THREADS": "1", "VLM_ASSETS_NODES_SHARE_HOST": "1"}
@@ -520,7 +521,7 @@ class Soak:
             "launcher": self.launcher(),
         }
         (home / "attempt.json").write_text(json.dumps(spec))
-        attempt: list[subprocess.Popen] = []  # the live attempt, for the step kills
+        attempt: list[subprocess.Popen] = []  # the attempts (run workers): the last is live, for the kills
         steps = []
         config = self.run_config(target)["ops"][target.asset]["config"]
         every, last = config["checkpoint_every"], config["max_steps"]
