@@ -359,24 +359,18 @@ class Soak:
         pods are local processes: ``vlm_assets_tests/k8s/testbed``; its ports are fixed, so not beside the
         k8s tests), started here, inside the soak's mount namespace, so that pods see the scratch tmpfs.
         The pods run in namespace ``soak``; the core API client."""
-        from kubernetes import client, config
+        from kubernetes import client
 
-        from vlm_assets_tests.k8s.testbed_fixtures import TESTBED, wait_for_default_service_account
+        from vlm_assets_tests.k8s.testbed_fixtures import start_testbed, wait_for_default_service_account
 
-        build = subprocess.run([str(TESTBED / "build.sh")], capture_output=True, text=True)
-        if build.returncode != 0:
-            raise SystemExit(f"building the k8s testbed failed:\n{build.stdout[-2000:]}{build.stderr[-2000:]}")
-        self.testbed = self.root / "k8s"
-        env = {**os.environ, "TESTBED_PYTHON": sys.executable, "FAKE_KUBELET_CWD": str(REPO)}
         # moto's keys, in every pod as a node's credentials would be (the launcher refuses keys in the pod
         # spec, and the testbed's kubelet does not mount a Secret's envFrom)
-        env.update({f"FAKE_KUBELET_ENV_{k}": os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
-        start = subprocess.run([str(TESTBED / "start.sh"), str(self.testbed)], env=env, capture_output=True, text=True)
-        if start.returncode != 0:
-            subprocess.run([str(TESTBED / "stop.sh"), str(self.testbed)])
-            raise SystemExit(f"starting the k8s testbed failed:\n{start.stdout[-2000:]}{start.stderr[-2000:]}")
-        self.kubeconfig = str(self.testbed / "pki" / "kubeconfig")
-        core = client.CoreV1Api(config.new_client_from_config(config_file=self.kubeconfig))
+        keys = {f"FAKE_KUBELET_ENV_{k}": os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+        try:
+            self.testbed = start_testbed(self.root / "k8s", env=keys)
+        except RuntimeError as error:
+            raise SystemExit(str(error)) from None
+        core = client.CoreV1Api(self.testbed.api())
         core.create_namespace({"metadata": {"name": "soak"}})
         wait_for_default_service_account(core, "soak")
         return core
@@ -412,7 +406,7 @@ class Soak:
             return {"kind": "local"}
         env = {"OMP_NUM_THREADS": "1", "VLM_ASSETS_NODES_SHARE_HOST": "1"}
         env.update({k: os.environ[k] for k in ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "HOME") if k in os.environ})
-        settings = {"namespace": "soak", "kubeconfig": self.kubeconfig, "python": sys.executable}
+        settings = {"namespace": "soak", "kubeconfig": str(self.testbed.kubeconfig), "python": sys.executable}
         # pod DNS names do not resolve on the testbed: the rendezvous is on loopback
         settings.update(rendezvous_host="127.0.0.1", pending_timeout_s=60, env=env)
         return {"kind": "k8s", **settings}
@@ -437,7 +431,9 @@ class Soak:
 
     def close(self):
         if self.k8s is not None:
-            subprocess.run([str(REPO / "vlm_assets_tests" / "k8s" / "testbed" / "stop.sh"), str(self.testbed)])
+            from vlm_assets_tests.k8s.testbed_fixtures import stop_testbed
+
+            stop_testbed(self.testbed.run_dir)
         for proxy in (self.proxy, self.mlflow_proxy):
             proxy.server.shutdown()
         for server in self.servers:

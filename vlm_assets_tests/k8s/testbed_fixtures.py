@@ -39,8 +39,10 @@ def build_lock() -> Path:
     return lock
 
 
-@pytest.fixture(scope="session")
-def k8s_testbed(tmp_path_factory):
+def start_testbed(run_dir: Path, env: dict[str, str] | None = None) -> Testbed:
+    """Build the binaries when they are not cached (after a build in progress, if any), then start the
+    control plane in ``run_dir`` (``env``: more for its scripts and kubelet, ``FAKE_KUBELET_ENV_*`` say).
+    ``RuntimeError`` with the scripts' output when either fails; what started is stopped then."""
     import fcntl
 
     with open(build_lock(), "w") as lock:
@@ -53,26 +55,39 @@ def k8s_testbed(tmp_path_factory):
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    pytest.fail(
+                    raise RuntimeError(
                         f"the k8s testbed build is still running after 18 min: see {build_lock().with_suffix('.log')}"
-                    )
+                    ) from None
                 time.sleep(1)
         build = subprocess.run([str(TESTBED / "build.sh")], capture_output=True, text=True, timeout=40 * 60)
     if build.returncode != 0:
         out = f"{build.stdout[-3000:]}\n{build.stderr[-3000:]}"
-        pytest.fail(f"building the k8s testbed failed (exit {build.returncode}):\n{out}")
-    run_dir = tmp_path_factory.mktemp("k8s-testbed")
-    env = {**os.environ, "TESTBED_PYTHON": sys.executable, "FAKE_KUBELET_CWD": str(REPO)}
+        raise RuntimeError(f"building the k8s testbed failed (exit {build.returncode}):\n{out}")
+    env = {**os.environ, "TESTBED_PYTHON": sys.executable, "FAKE_KUBELET_CWD": str(REPO), **(env or {})}
     start = subprocess.run(
         [str(TESTBED / "start.sh"), str(run_dir)], env=env, capture_output=True, text=True, timeout=180
     )
     if start.returncode != 0:
-        subprocess.run([str(TESTBED / "stop.sh"), str(run_dir)])
-        pytest.fail(f"starting the k8s testbed failed:\n{start.stdout[-3000:]}\n{start.stderr[-3000:]}")
+        stop_testbed(run_dir)
+        raise RuntimeError(f"starting the k8s testbed failed:\n{start.stdout[-3000:]}\n{start.stderr[-3000:]}")
+    return Testbed(run_dir, run_dir / "pki" / "kubeconfig")
+
+
+def stop_testbed(run_dir: Path) -> None:
+    subprocess.run([str(TESTBED / "stop.sh"), str(run_dir)])
+
+
+@pytest.fixture(scope="session")
+def k8s_testbed(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("k8s-testbed")
     try:
-        yield Testbed(run_dir, run_dir / "pki" / "kubeconfig")
+        testbed = start_testbed(run_dir)
+    except RuntimeError as error:
+        pytest.fail(str(error))
+    try:
+        yield testbed
     finally:
-        subprocess.run([str(TESTBED / "stop.sh"), str(run_dir)])
+        stop_testbed(run_dir)
 
 
 def wait_for_default_service_account(core, namespace: str, timeout: float = 60) -> None:
