@@ -30,7 +30,7 @@ class VisualChatModelConfig(BaseModel):
     num_queries: int = Field(default=32, ge=1, description="perceiver only: image tokens per image.")
     decoder: str = Field(
         default="meta-llama/Llama-2-7b-hf",
-        description=("Causal LM: hub id or directory ('gpt_checkpoint' in the asset: the graph's own GPT export)."),
+        description="Causal LM: hub id or directory (the asset's decoder_asset reads the graph's own GPT instead).",
     )
     mmca: bool = Field(default=False, description="Multi-modal causal attention instead of plain causal.")
     max_images: int = Field(default=8, ge=1, description="Most images in one sample.")

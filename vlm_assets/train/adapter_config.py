@@ -7,20 +7,15 @@ from pydantic import Field, field_validator, model_validator
 
 from vlm_assets.train.run_config import RunConfig, run_field
 
-TINY_CLEAN = "tiny-clean"
-VISUALCHAT = "visualchat"  # the graph's own merged VisualChat model (the visualchat_model asset)
-
 
 class AdapterTrainConfig(RunConfig):
     backbone: str = Field(
         default="Qwen/Qwen2.5-VL-3B-Instruct",
         description=(
-            "Frozen VLM: a Qwen2.5-VL hub id or directory, or a VisualChat model directory. 'visualchat': the "
-            "visualchat_model asset's merged model (demo). 'tiny-clean' builds a tiny Qwen2.5-VL and teaches it the "
-            "clean task first (no hub needed; tests)."
+            "Frozen VLM: a Qwen2.5-VL hub id or directory, or a VisualChat model directory (the asset's "
+            "backbone_asset reads one of the graph's models instead)."
         ),
     )
-    clean_backbone_steps: int = Field(default=600, ge=1, description="tiny-clean only: clean-task training steps.")
     epochs: int = Field(default=8, ge=1, description="Training epochs.")
     lr: float = Field(default=2e-4, gt=0, description="AdamW learning rate (betas 0.9, 0.95).")
     weight_decay: float = Field(default=1e-2, ge=0, description="AdamW weight decay.")

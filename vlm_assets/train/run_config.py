@@ -9,7 +9,10 @@ model back from the run file. Fields are of two kinds:
   training checkpoints;
 - **run** fields (declared with ``run_field``): they only say how to run it (time limit, topology,
   logging and checkpoint cadence, retention). Changing one never changes the key, so a rerun with a
-  longer timeout or more nodes resumes from the last checkpoint of the same key.
+  longer timeout or more nodes resumes from the last checkpoint of the same key;
+- **step** fields (declared with ``step_field``, on the asset's config only): what the asset's own step
+  reads and no worker does (its checks' thresholds, the pods' resources, which upstream asset to read).
+  Outside the key and left out of the run file.
 """
 
 import json
@@ -18,7 +21,7 @@ from typing import Any, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from vlm_assets.launch.spec import QUANTITY, LaunchSpec
+from vlm_assets.launch.spec import LaunchSpec
 
 _RUN = {"identity": False}
 _SECTION = {"identity": False, "section": True}
@@ -30,10 +33,11 @@ def run_field(default: Any, description: str, **constraints: Any) -> Any:
     return Field(default=default, description=description, json_schema_extra=_RUN, **constraints)
 
 
-def run_section(factory: Any, description: str) -> Any:
-    """A nested model of run fields that only the asset's own step reads (e.g. its checks' thresholds):
-    outside the cache key, and left out of the run file the trainer's processes read."""
-    return Field(default_factory=factory, description=description, json_schema_extra=_SECTION)
+def step_field(description: str, **default: Any) -> Any:
+    """A field only the asset's own step reads (a checks section, the pod resources, an upstream choice):
+    outside the cache key (an upstream it reads enters the key by its data version), and left out of
+    the run file the trainer's processes read."""
+    return Field(description=description, json_schema_extra=_SECTION, **default)
 
 
 def describe_validation_error(err: ValidationError, where: str) -> str:
@@ -70,7 +74,7 @@ class Settings(BaseModel):
 class RunConfig(Settings):
     """Base of the trainers' configs: batch sizes, topology, the job's time limit."""
 
-    micro_batch_size: int = Field(default=8, ge=1, description="Samples per process per forward/backward.")
+    micro_batch_size: int = run_field(8, "Samples per process per forward/backward (memory, not the math).", ge=1)
     global_batch_size: int = Field(
         default=256,
         ge=1,
@@ -79,33 +83,17 @@ class RunConfig(Settings):
     num_nodes: int = run_field(1, "Nodes (local launcher: torchrun agents on 127.0.0.1).", ge=1)
     nproc_per_node: int = run_field(1, "Processes (devices) per node.", ge=1)
     timeout_s: int = run_field(24 * 3600, "The whole training job's time limit; raise it and rerun to resume.", ge=1)
-    # What each node asks of a cluster (the k8s launcher's pod resources; the local launcher ignores them).
-    gpus_per_node: int = run_field(0, "GPUs each node's pod requests (nvidia.com/gpu); 0: a CPU pod.", ge=0)
-    gpu_type: str | None = run_field(
-        None,
-        "GPU product the pods must land on (a node selector on the launcher's "
-        "gpu_node_label, e.g. 'NVIDIA-H100-80GB-HBM3').",
-    )
-    cpu_per_node: str | None = run_field(
-        None, "CPU each node's pod requests and is limited to ('8', '500m').", pattern=QUANTITY
-    )
-    memory_per_node: str | None = run_field(
-        None, "Memory each node's pod requests and is limited to ('64Gi').", pattern=QUANTITY
-    )
 
     @model_validator(mode="after")
     def _batch_fits_the_world(self) -> Self:
         self.accumulation(self.num_nodes * self.nproc_per_node)
         return self
 
-    def launch_spec(self, module: str, args: tuple[str, ...], name: str) -> LaunchSpec:
-        """The distributed job that trains this config: topology, time limit and per-node resources."""
-        resources = {
-            "nvidia.com/gpu": str(self.gpus_per_node) if self.gpus_per_node else None,
-            "cpu": self.cpu_per_node,
-            "memory": self.memory_per_node,
-            "gpu_type": self.gpu_type,
-        }
+    def launch_spec(
+        self, module: str, args: tuple[str, ...], name: str, resources: dict[str, str] | None = None
+    ) -> LaunchSpec:
+        """The distributed job that trains this config: its topology and time limit, and the per-node
+        ``resources`` the launcher asks of a cluster (they are not the trainer's: never in its config)."""
         return LaunchSpec(
             module,
             args,
@@ -113,7 +101,7 @@ class RunConfig(Settings):
             nproc_per_node=self.nproc_per_node,
             timeout_s=self.timeout_s,
             name=name,
-            resources={k: v for k, v in resources.items() if v is not None},
+            resources=resources or {},
         )
 
     def accumulation(self, world_size: int) -> int:

@@ -9,8 +9,6 @@ from vlm_assets.models.visualchat_spec import VisualChatModelConfig
 from vlm_assets.train.run_config import RunConfig, run_field
 
 MODULES = ("encoder", "projection", "decoder", "lora")
-# `decoder: gpt_checkpoint`: the graph's own GPT export (the asset hands its directory to the trainer).
-GPT_DECODER = "gpt_checkpoint"
 
 
 class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):

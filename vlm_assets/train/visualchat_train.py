@@ -43,7 +43,7 @@ from vlm_assets.train.checkpoints import StepCheckpoint, StepSeed
 from vlm_assets.train.deepspeed_store import deepspeed_strategy
 from vlm_assets.train.entry import TrainerRun, entry_point
 from vlm_assets.train.reporting import Reporter, TrainingHistory, process_group_backend
-from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfig
+from vlm_assets.train.visualchat_config import VisualChatTrainConfig
 
 EVAL_BATCH = 4
 # DeepSpeed probes for an accelerator and warns at every process start when it finds none; on CPU say so.
@@ -211,7 +211,7 @@ class VisualChatModule(L.LightningModule):
 
 def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     config, paths, reporter = run.config, run.paths, run.reporter
-    if config.decoder == GPT_DECODER:  # the asset resolved the in-graph GPT export to a directory
+    if "decoder" in paths.inputs:  # the decoder the asset resolved (the in-graph GPT's export, or `decoder`)
         config = config.model_copy(update={"decoder": paths.input("decoder")})
     L.seed_everything(config.seed, verbose=False)
     model = build_model(config)

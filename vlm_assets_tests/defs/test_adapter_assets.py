@@ -2,8 +2,12 @@
 Qwen2.5-VL (built from a config, saved and loaded through from_pretrained) that first learned the
 clean Fashion-MNIST task and is then frozen; the adapter trains at 2 processes through the launcher."""
 
+import atexit
+import functools
 import json
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import mlflow
@@ -22,8 +26,6 @@ pytestmark = pytest.mark.slow
 GRAPH = [occlusion_manifests, occlusion_adapter, eval_report, registered_adapter]  # checks: in the assets' steps
 # The demo's recipe (6 weight-tied steps, reconstruction first, then the LM loss) at test size.
 ADAPTER = {
-    "backbone": "tiny-clean",
-    "clean_backbone_steps": 400,
     "image_size": 56,
     "epochs": 3,
     "lr": 1e-2,
@@ -39,18 +41,44 @@ ADAPTER = {
 }
 
 
+def manifests_config(offline_data) -> dict:
+    return {
+        "source": "fashion_mnist",
+        "source_uri": str(offline_data / "fashion-mnist"),
+        "num_train": 1000,
+        "num_validation": 200,
+    }
+
+
+@functools.cache
+def clean_backbone(offline_data: Path) -> str:
+    """The frozen backbone of these tests, built once per session: a tiny Qwen2.5-VL taught the clean
+    task for 400 steps on the train split of the manifests the graph builds from the same config."""
+    from vlm_assets.data.occlusion import write_occlusion_manifests
+    from vlm_assets.defs.data.occlusion_assets import OcclusionManifestsConfig, load_source
+    from vlm_assets_tests.clean_backbone import teach_clean_task
+
+    root = Path(tempfile.mkdtemp(prefix="clean-backbone-"))
+    atexit.register(shutil.rmtree, root, True)
+    config = OcclusionManifestsConfig(**manifests_config(offline_data))
+    bounds = config.box_bounds()
+    write_occlusion_manifests(
+        load_source(config, print),
+        root / "manifests",
+        num_train=config.num_train,
+        num_validation=config.num_validation,
+        train_box=bounds["train"],
+        validation_box=bounds["validation"],
+        seed=config.seed,
+    )
+    return str(teach_clean_task(root / "manifests", root, image_size=ADAPTER["image_size"], steps=400))
+
+
 def run_config(offline_data, adapter=None, report=None, min_accuracy=0.3):
     return {
         "ops": {
-            "occlusion_manifests": {
-                "config": {
-                    "source": "fashion_mnist",
-                    "source_uri": str(offline_data / "fashion-mnist"),
-                    "num_train": 1000,
-                    "num_validation": 200,
-                }
-            },
-            "occlusion_adapter": {"config": {**ADAPTER, **(adapter or {})}},
+            "occlusion_manifests": {"config": manifests_config(offline_data)},
+            "occlusion_adapter": {"config": {"backbone": clean_backbone(offline_data), **ADAPTER, **(adapter or {})}},
             "eval_report": {
                 "config": {
                     "num_samples": 200,
@@ -277,19 +305,14 @@ def _workers(marker: str) -> list[int]:
     return training_workers("vlm_assets.train.adapter_train", marker)
 
 
-def _backbone_dir(env) -> str:
-    (key,) = env.store.list_complete("backbones/tiny-clean")
-    return str(env.store.local_path(key) / "model")
-
-
-def test_killed_worker_resumes_from_the_last_recovery_checkpoint(pipeline, offline_data):
+def test_killed_worker_resumes_from_the_last_recovery_checkpoint(pipeline, offline_data, tmp_path):
     import os
     import signal
     import threading
     import time
 
     env, first = pipeline
-    backbone = _backbone_dir(env)  # the same frozen weights by path: a new cache key, the same training
+    backbone = shutil.copytree(clean_backbone(offline_data), tmp_path / "backbone")  # a new key, the same training
     killed = {}
 
     def kill_after_first_epoch():
@@ -310,7 +333,7 @@ def test_killed_worker_resumes_from_the_last_recovery_checkpoint(pipeline, offli
     started = time.time()
     killer = threading.Thread(target=kill_after_first_epoch)
     killer.start()
-    result = env.materialize(run_config(offline_data, adapter={"backbone": backbone}))
+    result = env.materialize(run_config(offline_data, adapter={"backbone": str(backbone)}))
     killer.join()
     assert killed, "the worker was never killed"
     assert len([e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]) == 1
@@ -330,7 +353,7 @@ def test_sigkill_of_the_dagster_process_ends_both_workers_and_the_relaunch_resum
     its agent and both workers end, nothing is committed after it; the relaunch marks the dead run
     failed and its MLflow run KILLED, resumes from that checkpoint and ends on the uninterrupted losses."""
     env, first = pipeline
-    config = run_config(offline_data, adapter={"backbone": _backbone_dir(env)})
+    config = run_config(offline_data)
     config = {"ops": {k: v for k, v in config["ops"].items() if k in ("occlusion_manifests", "occlusion_adapter")}}
     run = kill_mid_training_and_relaunch(
         tmp_path, "adapter_job", config, "occlusion_adapter", checkpoints_before_kill=1, executor="multiprocess"
@@ -350,9 +373,7 @@ def test_bad_input_fails_at_once_naming_the_row_or_field(pipeline, offline_data,
     result = env.materialize(run_config(offline_data, adapter={"backbone": str(missing)}), raise_on_error=False)
     assert f"config field backbone: directory {missing} does not exist" in _failure(result)
 
-    result = env.materialize(
-        run_config(offline_data, adapter={"backbone": _backbone_dir(env), "max_length": 20}), raise_on_error=False
-    )
+    result = env.materialize(run_config(offline_data, adapter={"max_length": 20}), raise_on_error=False)
     assert re.search(r"train\.jsonl:1: prompt \+ answer is \d+ tokens .* longer than max_length 20", _failure(result))
 
 
@@ -387,7 +408,7 @@ def test_bad_manifest_rows_are_named(pipeline, tmp_path):
         OcclusionSamples(root, "train", 56, None).check_images()
 
 
-def test_training_changes_only_the_adapter(pipeline, tmp_path):
+def test_training_changes_only_the_adapter(pipeline, offline_data, tmp_path):
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -397,7 +418,7 @@ def test_training_changes_only_the_adapter(pipeline, tmp_path):
 
     env, first = pipeline
     manifests = env.store.local_path(meta(first, "occlusion_manifests")["cache_key"])
-    module = AdapterModule(AdapterTrainConfig(image_size=56, lr=5e-3), _backbone_dir(env))
+    module = AdapterModule(AdapterTrainConfig(image_size=56, lr=5e-3), clean_backbone(offline_data))
     module.configure_model()
     backbone_before = {k: v.clone() for k, v in module.backbone.state_dict().items()}
     adapter_before = {k: v.clone() for k, v in module.adapter.state_dict().items()}
@@ -443,10 +464,7 @@ def test_training_that_fails_for_good_materializes_a_partial_that_blocks(pipelin
     killer.start()
     try:
         result = env.materialize(
-            run_config(
-                offline_data,
-                adapter={"backbone": _backbone_dir(env), "epochs": 4, "materialize_partial_on_failure": True},
-            ),
+            run_config(offline_data, adapter={"epochs": 4, "materialize_partial_on_failure": True}),
             raise_on_error=False,
         )
     finally:

@@ -397,7 +397,7 @@ def test_k8s_launcher_trains_on_pods_and_a_killed_pod_is_retried_from_the_last_c
 def test_k8s_launcher_more_gpus_than_a_node_has_fails_once_with_the_schedulers_reason(
     tmp_path, offline_data, mlflow_uri, k8s_testbed, namespace
 ):
-    """gpus_per_node (asset config) beyond every node's 8: the pods stay Pending; after the pending
+    """resources.gpus_per_node (asset config) beyond every node's 8: the pods stay Pending; after the pending
     timeout the step fails with the scheduler's reason, without retries (a retry cannot fit either),
     and nothing is left in the namespace (the fixture checks)."""
     from vlm_assets.defs.platform.launcher import K8sTorchrunLauncher
@@ -407,7 +407,8 @@ def test_k8s_launcher_more_gpus_than_a_node_has_fails_once_with_the_schedulers_r
         namespace=namespace, kubeconfig=str(k8s_testbed.kubeconfig), python=sys.executable, pending_timeout_s=5
     )
     result = env.materialize(
-        run_config(offline_data, gpus_per_node=16, gpu_type="NVIDIA-H100-80GB-HBM3"), raise_on_error=False
+        run_config(offline_data, resources={"gpus_per_node": 16, "gpu_type": "NVIDIA-H100-80GB-HBM3"}),
+        raise_on_error=False,
     )
     assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")

@@ -9,9 +9,10 @@ from vlm_assets.storage.lease import LeaseLostError, holder_record
 
 
 @pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
+def store(request, tmp_path, monkeypatch):
     if request.param == "local":
         return LocalArtifactStore(tmp_path / "store")
+    monkeypatch.setenv("VLM_ASSETS_HOME", str(tmp_path / "home"))  # S3 builds stage under it, not ./var
     client, bucket = request.getfixturevalue("s3_bucket")
     return S3ArtifactStore(client, bucket, prefix="team/vlm", cache_dir=tmp_path / "s3cache")
 

@@ -59,11 +59,31 @@ def test_identity_and_run_fields_partition_the_config():
         "gradient_checkpointing",
         "log_every",
         "materialize_partial_on_failure",
-        "gpus_per_node",
-        "gpu_type",
-        "cpu_per_node",
-        "memory_per_node",
     } == set(AdapterTrainConfig().run_settings()) - {"micro_batch_size"}
+
+
+def test_the_run_file_holds_the_trainers_config_and_the_launcher_alone_sees_the_pods(tmp_path):
+    """The asset's step fields (checks, pod resources, the upstream choice) never reach the workers: the
+    run file validates as the trainer's own config, and the resources go to the launch spec only."""
+    import dagster as dg
+
+    from vlm_assets.defs.models.visualchat_assets import VisualChatAssetConfig
+    from vlm_assets.train.visualchat_config import VisualChatTrainConfig
+
+    config = VisualChatAssetConfig(
+        resources={"gpus_per_node": 8, "memory_per_node": "64Gi"}, decoder_asset="gpt_checkpoint"
+    )
+    paths = RunPaths(inputs={}, out_dir="o", cache_dir="c", checkpoint_store={}, checkpoint_prefix="p")
+    write_run_file(tmp_path / "run.json", config, paths)
+    written = json.loads((tmp_path / "run.json").read_text())["config"]
+    assert not {"resources", "decoder_asset", "checks", "gpus_per_node"} & set(written)
+    trainer, _ = read_run_file(tmp_path / "run.json", VisualChatTrainConfig)
+    assert trainer.identity() == config.identity()
+    spec = config.launch_spec("m", (), "visualchat_model", config.resources.requests())
+    assert spec.resources == {"nvidia.com/gpu": "8", "memory": "64Gi"}
+    assert {"resources", "decoder_asset"} <= set(config.run_settings())  # outside the cache key
+    with pytest.raises(dg.Failure, match=r"field resources\.cpu_per_node: String should match pattern"):
+        VisualChatAssetConfig(resources={"cpu_per_node": "lots"})
 
 
 def test_run_file_round_trip_and_errors_name_the_file_and_field(tmp_path):

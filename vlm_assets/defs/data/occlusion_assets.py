@@ -28,7 +28,7 @@ from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.paths import cache_dir
 from vlm_assets.storage import ArtifactRef
-from vlm_assets.train.run_config import run_section
+from vlm_assets.train.run_config import step_field
 
 
 class BalanceCheckConfig(ProfileDefaults, dg.Config):
@@ -81,7 +81,7 @@ class OcclusionManifestsConfig(AssetConfig):
         lt=1,
         description=("image_folder with only train/: the seeded share of each class held out as the validation split."),
     )
-    checks: BalanceCheckConfig = run_section(BalanceCheckConfig, CHECKS_SECTION)
+    checks: BalanceCheckConfig = step_field(CHECKS_SECTION, default_factory=BalanceCheckConfig)
 
     def box_bounds(self) -> dict[str, BoxBounds]:
         return {

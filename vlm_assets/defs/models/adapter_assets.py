@@ -1,29 +1,41 @@
 """``occlusion_adapter`` -> ``eval_report`` -> ``registered_adapter``: train the adapter in front of a
 frozen VLM, prove it helps, and register it in the MLflow Model Registry only when the checks pass."""
 
+import enum
 import json
-import shutil
 from pathlib import Path
 
 import dagster as dg
 
 from vlm_assets.defs.platform.checks import Judged
 from vlm_assets.defs.platform.launcher import numbers
-from vlm_assets.defs.platform.memo import AssetConfig, Built
-from vlm_assets.defs.platform.training import Launch, training_asset
-from vlm_assets.memo import cache_key
+from vlm_assets.defs.platform.memo import Built
+from vlm_assets.defs.platform.training import Launch, TrainingConfig, training_asset
 from vlm_assets.paths import require_local
-from vlm_assets.storage import ArtifactRef, ArtifactStore
-from vlm_assets.train.adapter_config import TINY_CLEAN, VISUALCHAT, AdapterTrainConfig
+from vlm_assets.storage import ArtifactStore
+from vlm_assets.train.adapter_config import AdapterTrainConfig
+from vlm_assets.train.run_config import step_field
 
 
-class OcclusionAdapterConfig(AdapterTrainConfig, AssetConfig):
-    """``AdapterTrainConfig`` as the asset's config: the same fields, constraints and defaults."""
+class BackboneAsset(enum.Enum):
+    """A model of this graph that can be the frozen backbone."""
+
+    visualchat_model = "visualchat_model"  # its merged model/ directory
+
+
+class OcclusionAdapterConfig(AdapterTrainConfig, TrainingConfig):
+    """``AdapterTrainConfig`` as the asset's config: the same fields, constraints and defaults, the
+    resources apart, and which of the graph's models is the backbone (if one is)."""
 
     profile_key = "occlusion_adapter"
 
+    backbone_asset: BackboneAsset | None = step_field(
+        "Read the frozen backbone from this asset instead of `backbone` (demo: visualchat_model).", default=None
+    )
+
     def check_values(self) -> None:
-        require_local(self.backbone, "config field backbone")
+        if self.backbone_asset is None:
+            require_local(self.backbone, "config field backbone")
 
 
 def preflight(config: OcclusionAdapterConfig, manifests: Path) -> None:
@@ -32,39 +44,6 @@ def preflight(config: OcclusionAdapterConfig, manifests: Path) -> None:
 
     for split, limit in (("train", config.num_train), ("validation", config.num_validation)):
         OcclusionSamples(manifests, split, config.image_size, limit).check_images()
-
-
-def resolve_backbone(
-    config: OcclusionAdapterConfig, store: ArtifactStore, manifests: ArtifactRef, visualchat: ArtifactRef | None, log
-) -> str:
-    """The backbone to load: the configured hub id / directory, the graph's VisualChat model, or the
-    memoized tiny clean-task backbone."""
-    if visualchat is not None:
-        return str(store.local_path(visualchat.key) / "model")
-    if config.backbone != TINY_CLEAN:
-        return config.backbone
-    from vlm_assets.models.tiny_qwen import build_tiny_qwen
-    from vlm_assets.train.clean_backbone import train_clean_backbone
-
-    key = "backbones/tiny-clean/" + cache_key(
-        "tiny-clean",
-        "1",
-        {"image_size": config.image_size, "steps": config.clean_backbone_steps},
-        {"manifests": manifests.data_version},
-    )
-    if not store.exists(key):
-        log(f"teaching a tiny Qwen2.5-VL the clean task ({config.clean_backbone_steps} steps) -> {key}")
-        root = store.local_path(manifests.key)
-        rows = [json.loads(line) for line in (root / "train.jsonl").read_text().splitlines()[:1]]
-        names = json.loads((root / "dataset.json").read_text())["class_names"]
-        with store.staging_dir(key) as staging:
-            tiny = build_tiny_qwen(staging / "init", [rows[0]["prompt"]] + names * 20)
-            train_clean_backbone(
-                tiny, root, staging / "model", image_size=config.image_size, steps=config.clean_backbone_steps
-            )
-            shutil.rmtree(tiny)
-            store.commit(key, staging, metadata={"image_size": config.image_size})
-    return str(store.local_path(key) / "model")
 
 
 def adapter_training_complete(judged: Judged) -> dg.AssetCheckResult:
@@ -111,13 +90,7 @@ def adapter_inputs(launch: Launch) -> dict[str, str]:
 
     config, manifests = launch.config, launch.local("occlusion_manifests")
     preflight(config, manifests)
-    backbone = resolve_backbone(
-        config,
-        launch.store,
-        launch.upstream["occlusion_manifests"],
-        launch.upstream.get("visualchat_model"),
-        launch.context.log.info,
-    )
+    backbone = str(launch.local("visualchat_model") / "model") if config.backbone_asset else config.backbone
     check_prompt_lengths(
         backbone,
         OcclusionSamples(manifests, "train", config.image_size, None).images.rows,
@@ -176,8 +149,7 @@ occlusion_adapter = training_asset(
     config_type=OcclusionAdapterConfig,
     trainer="vlm_assets.train.adapter_train",
     source="occlusion_manifests",
-    # `visualchat_model` is read only when the config says `backbone: visualchat`
-    optional=("visualchat_model", lambda config: config.backbone == VISUALCHAT),
+    optional=("visualchat_model", "backbone_asset"),
     inputs=adapter_inputs,
     finish=adapter_report,
     on_failure=partial_on_failure,

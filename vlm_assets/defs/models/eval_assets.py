@@ -18,7 +18,7 @@ from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
 from vlm_assets.models import adapter_card
 from vlm_assets.models.registry import serving_requirements
 from vlm_assets.storage import ArtifactRef
-from vlm_assets.train.run_config import run_section
+from vlm_assets.train.run_config import step_field
 
 
 class EvalChecksConfig(ProfileDefaults, dg.Config):
@@ -44,7 +44,7 @@ class EvalReportConfig(AssetConfig):
     num_samples: int | None = Field(default=None, ge=1, description="Validation images evaluated (unset = all).")
     batch_size: int = Field(default=16, ge=1, description="Images per batched greedy decode.")
     num_cards: int = Field(default=24, ge=0, description="Prediction cards in the HTML report.")
-    checks: EvalChecksConfig = run_section(EvalChecksConfig, CHECKS_SECTION)
+    checks: EvalChecksConfig = step_field(CHECKS_SECTION, default_factory=EvalChecksConfig)
 
 
 def load_trained(store, adapter_ref: ArtifactRef):

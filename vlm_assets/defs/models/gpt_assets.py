@@ -16,13 +16,13 @@ from pydantic import Field
 
 from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged
 from vlm_assets.defs.platform.launcher import numbers
-from vlm_assets.defs.platform.memo import AssetConfig, Built
+from vlm_assets.defs.platform.memo import Built
 from vlm_assets.defs.platform.profiles import ProfileDefaults
-from vlm_assets.defs.platform.training import Launch, training_asset
+from vlm_assets.defs.platform.training import Launch, TrainingConfig, training_asset
 from vlm_assets.paths import runs_dir
 from vlm_assets.storage.scratch import held_dir
 from vlm_assets.train.gpt_config import PretrainConfig
-from vlm_assets.train.run_config import run_section
+from vlm_assets.train.run_config import step_field
 
 
 class ValLossCheckConfig(ProfileDefaults, dg.Config):
@@ -35,13 +35,13 @@ class ValLossCheckConfig(ProfileDefaults, dg.Config):
     )
 
 
-class GPTCheckpointConfig(PretrainConfig, AssetConfig):
+class GPTCheckpointConfig(PretrainConfig, TrainingConfig):
     """``PretrainConfig`` as the asset's config: the same fields, constraints and defaults, and the
-    checks' section."""
+    sections only the asset's step reads (checks, resources)."""
 
     profile_key = "gpt_checkpoint"
 
-    checks: ValLossCheckConfig = run_section(ValLossCheckConfig, CHECKS_SECTION)
+    checks: ValLossCheckConfig = step_field(CHECKS_SECTION, default_factory=ValLossCheckConfig)
 
 
 def val_loss_beats_uniform(judged: Judged) -> dg.AssetCheckResult:

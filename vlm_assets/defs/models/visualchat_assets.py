@@ -7,6 +7,7 @@ and the launch's paths into a run file, lets the launcher run ``vlm_assets.train
 every process, and commits what rank 0 wrote.
 """
 
+import enum
 import json
 from pathlib import Path
 
@@ -19,12 +20,12 @@ from vlm_assets.defs.platform.memo import AssetConfig, Built
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.registration import registered_model_asset
 from vlm_assets.defs.platform.tracking import TrackedRun
-from vlm_assets.defs.platform.training import Launch, training_asset
+from vlm_assets.defs.platform.training import Launch, TrainingConfig, training_asset
 from vlm_assets.models import visualchat_card
 from vlm_assets.models.registry import serving_requirements
 from vlm_assets.paths import require_local
-from vlm_assets.train.run_config import run_section
-from vlm_assets.train.visualchat_config import GPT_DECODER, VisualChatTrainConfig
+from vlm_assets.train.run_config import step_field
+from vlm_assets.train.visualchat_config import VisualChatTrainConfig
 
 
 class VQACheckConfig(ProfileDefaults, dg.Config):
@@ -35,16 +36,26 @@ class VQACheckConfig(ProfileDefaults, dg.Config):
     )
 
 
-class VisualChatAssetConfig(VisualChatTrainConfig, AssetConfig):
+class DecoderAsset(enum.Enum):
+    """A model of this graph that can be the decoder."""
+
+    gpt_checkpoint = "gpt_checkpoint"  # its Hugging Face export, hf/
+
+
+class VisualChatAssetConfig(VisualChatTrainConfig, TrainingConfig):
     """``VisualChatTrainConfig`` as the asset's config: the same fields, constraints and defaults, and the
-    checks' section."""
+    fields only the asset's step reads (checks, resources, which of the graph's models is the decoder)."""
 
     profile_key = "visualchat_model"
 
-    checks: VQACheckConfig = run_section(VQACheckConfig, CHECKS_SECTION)
+    checks: VQACheckConfig = step_field(CHECKS_SECTION, default_factory=VQACheckConfig)
+    decoder_asset: DecoderAsset | None = step_field(
+        "Read the decoder from this asset instead of `decoder` (demo: gpt_checkpoint).", default=None
+    )
 
     def check_values(self) -> None:
-        require_local(self.decoder, "config field decoder")
+        if self.decoder_asset is None:
+            require_local(self.decoder, "config field decoder")
         if self.encoder is not None:  # efficientnet_lite0 takes a weights file, the others a directory
             require_local(self.encoder, "config field encoder", directory=self.encoder_kind != "efficientnet_lite0")
         for path in self.chat_datasets:
@@ -97,23 +108,18 @@ def merged_equals_unmerged(judged: Judged) -> dg.AssetCheckResult:
 
 
 def visualchat_inputs(launch: Launch) -> dict[str, str]:
-    """The manifests, and the in-graph GPT's export when the config names it; bad chat records fail
-    here (FILE:N), never retried."""
+    """The manifests and the decoder (the in-graph GPT's export when the config names it); bad chat
+    records fail here (FILE:N), never retried."""
     config = launch.config
     config.read_chat_datasets(sorted(config.chat_datasets))
-    inputs = {"occlusion_manifests": str(launch.local("occlusion_manifests"))}
-    if "gpt_checkpoint" in launch.upstream:
-        inputs["decoder"] = str(launch.local("gpt_checkpoint") / "hf")
-    return inputs
+    decoder = str(launch.local("gpt_checkpoint") / "hf") if config.decoder_asset else config.decoder
+    return {"occlusion_manifests": str(launch.local("occlusion_manifests")), "decoder": decoder}
 
 
 def visualchat_report(launch: Launch, values: dict) -> Built:
     return Built(
         metrics=numbers(values),
-        metadata={
-            "decoder": launch.inputs.get("decoder", launch.config.decoder),
-            **{k: values[k] for k in ("backend", "param_dtype")},
-        },
+        metadata={"decoder": launch.inputs["decoder"], **{k: values[k] for k in ("backend", "param_dtype")}},
         markdown=report_markdown(launch.staging, launch.run, launch.config),
     )
 
@@ -129,8 +135,7 @@ visualchat_model = training_asset(
     config_type=VisualChatAssetConfig,
     trainer="vlm_assets.train.visualchat_train",
     source="occlusion_manifests",
-    # `gpt_checkpoint` is read only when the config names it (decoder: gpt_checkpoint)
-    optional=("gpt_checkpoint", lambda config: config.decoder == GPT_DECODER),
+    optional=("gpt_checkpoint", "decoder_asset"),
     inputs=visualchat_inputs,
     finish=visualchat_report,
     checks=(eval_loss_beats_untrained, vqa_exact_match_meets_threshold, merged_equals_unmerged),

@@ -312,7 +312,8 @@ def launch_trainer(
             mlflow_run_id=run.run_id,
         )
         write_run_file(work / "run.json", config, paths)
-        reports = launcher.launch(context, config.launch_spec(module, ("--config", str(work / "run.json")), name=name))
+        spec = config.launch_spec(module, ("--config", str(work / "run.json")), name, config.resources.requests())
+        reports = launcher.launch(context, spec)
     if len(reports) != 1:
         raise RuntimeError(f"the trainer reported {len(reports)} materializations through Pipes, expected 1")
     return {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}

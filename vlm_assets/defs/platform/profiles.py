@@ -69,7 +69,7 @@ def _demo(data: Path) -> dict[str, dict[str, Any]]:
         "visualchat_model": {
             "chat_datasets": {str(EXAMPLES / "cifar10_llava.json"): None},
             "image_folder": str(data / "cifar10-samples"),
-            "decoder": "gpt_checkpoint",
+            "decoder_asset": "gpt_checkpoint",
             "encoder_kind": "efficientnet_lite0",
             "encoder": None,  # the packaged ImageNet weights
             "projection": "mlp",
@@ -96,7 +96,7 @@ def _demo(data: Path) -> dict[str, dict[str, Any]]:
         # inpaint; no backbone). The LM loss is left out here: on this lineage it shuts the gate (README,
         # "Why the adapter helps"). The frozen model judges the adapter in eval_report.
         "occlusion_adapter": {
-            "backbone": "visualchat",
+            "backbone_asset": "visualchat_model",
             "image_size": 28,
             "adapter_steps": 6,
             "epochs": 10,
@@ -117,10 +117,15 @@ def _demo(data: Path) -> dict[str, dict[str, Any]]:
 
 
 # Values a profile sets for its own data source hold only while the asset reads that source: a user who
-# points the asset at another one (another ``source`` or ``source_uri``) gets the fields' own defaults for
-# them (every image of their folder, not the demo's 2,000 Fashion-MNIST ones). Dagster hands a config
-# its schema's defaults as if given, so a value equal to the profile's is taken as the profile's.
-SOURCE_TIED = {"occlusion_manifests": (("source", "source_uri"), ("num_train", "num_validation"))}
+# points the asset at another one (another ``source`` or ``source_uri``; a ``decoder`` or ``backbone`` of
+# their own) gets the fields' own defaults for them (every image of their folder, not the demo's 2,000
+# Fashion-MNIST ones; their decoder, not the graph's GPT). Dagster hands a config its schema's defaults
+# as if given, so a value equal to the profile's is taken as the profile's.
+SOURCE_TIED = {
+    "occlusion_manifests": (("source", "source_uri"), ("num_train", "num_validation")),
+    "visualchat_model": (("decoder",), ("decoder_asset",)),
+    "occlusion_adapter": (("backbone",), ("backbone_asset",)),
+}
 _CLAIMED: set[str] = set()
 # class -> (the profile's source values, {tied field: (the profile's value, the field's own default)})
 _TIED: dict[type, tuple[dict[str, Any], dict[str, tuple[Any, Any]]]] = {}

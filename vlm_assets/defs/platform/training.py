@@ -15,17 +15,58 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+from pydantic import Field
 
 from vlm_assets.defs.platform.checks import Check, check_specs
 from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher, launch_trainer
-from vlm_assets.defs.platform.memo import Built, artifact_key, materialize_memoized, upstream_ref
+from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized, upstream_ref
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.launch.spec import QUANTITY
 from vlm_assets.storage import ArtifactRef, ArtifactStore
+from vlm_assets.train.run_config import step_field
 
 # Dagster's retry of a training step (the one layer that retries: README "one retry rule"). A retry
 # resumes from the newest intact checkpoint of the same key.
 TRAINING_RETRY = dg.RetryPolicy(max_retries=2, delay=2)
+
+
+class PodResources(dg.Config):
+    """What each node of a training job asks of a cluster: the k8s launcher's pod resources (the local
+    launcher ignores them). Only the launcher reads them: never in the run file, never in the key."""
+
+    gpus_per_node: int = Field(
+        default=0, ge=0, description="GPUs each node's pod requests (nvidia.com/gpu); 0: a CPU pod."
+    )
+    gpu_type: str | None = Field(
+        default=None,
+        description="GPU product the pods must land on (a node selector on the launcher's gpu_node_label, "
+        "e.g. 'NVIDIA-H100-80GB-HBM3').",
+    )
+    cpu_per_node: str | None = Field(
+        default=None, pattern=QUANTITY, description="CPU each node's pod requests and is limited to ('8', '500m')."
+    )
+    memory_per_node: str | None = Field(
+        default=None, pattern=QUANTITY, description="Memory each node's pod requests and is limited to ('64Gi')."
+    )
+
+    def requests(self) -> dict[str, str]:
+        """``LaunchSpec.resources``: Kubernetes resource names, plus ``gpu_type``."""
+        asked = {
+            "nvidia.com/gpu": str(self.gpus_per_node) if self.gpus_per_node else None,
+            "cpu": self.cpu_per_node,
+            "memory": self.memory_per_node,
+            "gpu_type": self.gpu_type,
+        }
+        return {k: v for k, v in asked.items() if v is not None}
+
+
+class TrainingConfig(AssetConfig):
+    """Mixed into a training asset's config after its trainer's config: the pods' resources, apart."""
+
+    resources: PodResources = step_field(
+        "What each node's pod asks of the cluster (k8s launcher only).", default_factory=PodResources
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +102,12 @@ def training_asset(
     checks: Sequence[Check],
     kinds: set[str],
     description: str,
-    optional: tuple[str, Callable[[Any], bool]] | None = None,
+    optional: tuple[str, str] | None = None,
     on_failure: Callable[[Launch, dg.Failure], dict[str, Any]] | None = None,
 ) -> dg.AssetsDefinition:
-    """A training asset named ``name``: reads ``source``'s artifact (and ``optional[0]``'s when
-    ``optional[1](config)`` says so: a ``deps`` edge, so an asset that does not read it neither waits
-    for it nor rebuilds when it changes), launches ``trainer`` (a module run by ``entry_point`` on every
+    """A training asset named ``name``: reads ``source``'s artifact (and asset ``optional[0]``'s when its
+    config's step field ``optional[1]`` names it: a ``deps`` edge, so an asset that does not read it
+    neither waits for it nor rebuilds when it changes), launches ``trainer`` (a module run by ``entry_point`` on every
     process) on ``inputs(launch)``, and commits what ``finish(launch, values)`` reports; ``values`` is
     the trainer's Pipes report. ``on_failure`` may turn a failed launch into values (or raise)."""
 
@@ -92,7 +133,7 @@ def training_asset(
     ) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
         store = artifact_store.get_store()
         upstream = {source: read[source]}
-        if optional and optional[1](config):
+        if optional and getattr(config, optional[1]) is not None:
             upstream[optional[0]] = upstream_ref(context, store, optional[0])
         key = artifact_key(context, config, upstream)
 

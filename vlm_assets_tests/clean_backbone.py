@@ -1,10 +1,13 @@
-"""Teach a (tiny) VLM backbone the clean task: all weights trained on un-occluded images.
+"""Teach a tiny VLM backbone the clean task: all weights trained on un-occluded images.
 
-This makes a backbone that "knows the task" when no pretrained VLM can be downloaded (tests, the demo
-profile): afterwards it is frozen, and the occlusion adapter must recover its accuracy on occluded
-images. Runs in one process; a few hundred steps of a tiny model on CPU.
+The adapter tests' frozen backbone when no pretrained VLM can be downloaded (a test fixture, not a step
+of the graph: the demo's backbone is the graph's own ``visualchat_model``). Afterwards it is frozen, and
+the occlusion adapter must recover its accuracy on occluded images. One process; a few hundred steps of
+a tiny model on CPU.
 """
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -12,6 +15,18 @@ from torch.utils.data import DataLoader
 
 from vlm_assets.data.occlusion_dataset import OcclusionDataset
 from vlm_assets.models.frozen_vlm import QwenVLBackbone
+from vlm_assets.models.tiny_qwen import build_tiny_qwen
+
+
+def teach_clean_task(manifests: Path, out_dir: Path, *, image_size: int, steps: int) -> Path:
+    """A tiny Qwen2.5-VL built from a config (its vocabulary: the manifests' prompt and class names),
+    trained ``steps`` steps on the clean images of ``manifests``; saved under ``out_dir / "model"``."""
+    prompt = json.loads((manifests / "train.jsonl").read_text().splitlines()[0])["prompt"]
+    names = json.loads((manifests / "dataset.json").read_text())["class_names"]
+    tiny = build_tiny_qwen(out_dir / "init", [prompt] + names * 20)
+    model = train_clean_backbone(tiny, manifests, out_dir / "model", image_size=image_size, steps=steps)
+    shutil.rmtree(tiny)
+    return model
 
 
 def train_clean_backbone(
