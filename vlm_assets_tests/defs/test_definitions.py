@@ -219,17 +219,19 @@ def test_a_training_pool_of_size_0_fails_the_load_naming_the_setting(tmp_path, m
 def test_a_decoder_or_backbone_of_the_users_own_is_read_instead_of_the_profiles_asset():
     """Under the demo profile VisualChat reads the graph's GPT (``decoder_asset``) and the adapter the
     graph's VisualChat (``backbone_asset``); a user who gives a ``decoder`` or ``backbone`` of their own
-    gets it, not an edge they never chose (as with the manifests' counts and their own source)."""
+    gets it, not an edge they never chose (as with the manifests' counts and their own source). The
+    profile's enum values are members, not strings: dumping a config warns of nothing (an error here)."""
     code = (
         "import json\n"
         "from vlm_assets.defs.models.adapter_assets import OcclusionAdapterConfig as A\n"
         "from vlm_assets.defs.models.visualchat_assets import VisualChatAssetConfig as V\n"
+        "V().model_dump(mode='json'), A().run_settings()\n"
         "def name(x): return getattr(x, 'value', x)\n"
         "print(json.dumps([name(V().decoder_asset), name(V(decoder='/mine').decoder_asset),\n"
         "    name(A().backbone_asset), name(A(backbone='/mine').backbone_asset)]))"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-W", "error::UserWarning", "-c", code],
         capture_output=True,
         text=True,
         timeout=120,

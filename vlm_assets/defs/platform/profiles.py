@@ -10,6 +10,7 @@ for an asset's checks section); each config class claims its key (``profile_key`
 class claims or a value a field rejects fails the load, naming it.
 """
 
+import enum
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -162,13 +163,18 @@ class ProfileDefaults(pydantic.BaseModel):
                 {field: (overrides[field], default) for field, default in own.items()},
             )
         try:  # defaults are not validated by pydantic: validate the profile's once, here
-            cls.model_validate(overrides)
+            validated = cls.model_validate(overrides)
         except pydantic.ValidationError as err:
             raise ValueError(
                 describe_validation_error(err, f"profile {profile()!r}: config of {key} ({cls.__name__})")
             ) from None
         except dg.Failure as err:  # an AssetConfig turns its validation errors into step failures
             raise ValueError(f"profile {profile()!r}: {key}: {err.description}") from None
+        # An enum's default as its member, not the profile's string (which pydantic warns of at every dump).
+        if enums := {f: v for f in overrides if isinstance(v := getattr(validated, f), enum.Enum)}:
+            for field, value in enums.items():
+                cls.model_fields[field].default = value
+            cls.model_rebuild(force=True)
 
     @pydantic.model_validator(mode="before")
     @classmethod
