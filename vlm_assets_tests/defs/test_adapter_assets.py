@@ -53,25 +53,16 @@ def manifests_config(offline_data) -> dict:
 @functools.cache
 def clean_backbone(offline_data: Path) -> str:
     """The frozen backbone of these tests, built once per session: a tiny Qwen2.5-VL taught the clean
-    task for 400 steps on the train split of the manifests the graph builds from the same config."""
-    from vlm_assets.data.occlusion import write_occlusion_manifests
-    from vlm_assets.defs.data.occlusion_assets import OcclusionManifestsConfig, load_source
+    task for 400 steps on the train split of the manifests the graph builds from the same config (built
+    here by the occlusion_manifests asset itself, in a store of their own)."""
     from vlm_assets_tests.clean_backbone import teach_clean_task
 
     root = Path(tempfile.mkdtemp(prefix="clean-backbone-"))
     atexit.register(shutil.rmtree, root, True)
-    config = OcclusionManifestsConfig(**manifests_config(offline_data))
-    bounds = config.box_bounds()
-    write_occlusion_manifests(
-        load_source(config, print),
-        root / "manifests",
-        num_train=config.num_train,
-        num_validation=config.num_validation,
-        train_box=bounds["train"],
-        validation_box=bounds["validation"],
-        seed=config.seed,
-    )
-    return str(teach_clean_task(root / "manifests", root, image_size=ADAPTER["image_size"], steps=400))
+    env = IsolatedEnv(root, [occlusion_manifests])
+    built = env.materialize({"ops": {"occlusion_manifests": {"config": manifests_config(offline_data)}}})
+    manifests = env.store.local_path(meta(built, "occlusion_manifests")["cache_key"])
+    return str(teach_clean_task(manifests, root, image_size=ADAPTER["image_size"], steps=400))
 
 
 def run_config(offline_data, adapter=None, report=None, min_accuracy=0.3):
