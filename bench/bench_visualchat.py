@@ -160,22 +160,16 @@ def gpu_main(args, cache: Path, inputs: Path, data: Path) -> None:
                 Path(tmp),
                 f"zero{stage}",
                 inputs,
-                encoder_kind="clip",
-                encoder=str(clip),
-                decoder=str(llama),
-                max_steps=args.steps,
-                zero_stage=stage,
-                nproc_per_node=gpus,
-                micro_batch_size=1,
-                global_batch_size=gpus,
-                packing=True,
-                pack_tokens=1024,
-                max_length=1024,
-                eval_images=0,
-                eval_fraction=0.01,
-                cache_image_features=False,
-                gradient_checkpointing=True,
-                lr=1e-4,
+                model={"encoder_kind": "clip", "encoder": str(clip), "decoder": str(llama), "max_length": 1024},
+                optimizer={"max_steps": args.steps, "global_batch_size": gpus, "lr": 1e-4},
+                data={"packing": True, "pack_tokens": 1024, "eval_images": 0, "eval_fraction": 0.01},
+                parallelism={
+                    "zero_stage": stage,
+                    "nproc_per_node": gpus,
+                    "micro_batch_size": 1,
+                    "cache_image_features": False,
+                    "gradient_checkpointing": True,
+                },
             )
         rate = report["tokens_per_s"]
         images_per_token = 1 / 340  # about one image per 340-token sample (256 image tokens): an estimate
@@ -189,34 +183,22 @@ def _llama_params(config) -> int:
     return layers * (4 * h * h + 3 * h * i + 2 * h) + 2 * vocab * h + h
 
 
-def train(root: Path, name: str, inputs: Path, **settings) -> tuple[dict, Path]:
+def train(root: Path, name: str, inputs: Path, **sections) -> tuple[dict, Path]:
     from vlm_assets.launch import run_local
-    from vlm_assets.train.run_config import RunPaths, write_run_file
+    from vlm_assets.train.run_config import RunPaths, overlay, write_run_file
     from vlm_assets.train.visualchat_config import VisualChatTrainConfig
 
     work = root / name
-    config = VisualChatTrainConfig(
-        **{
-            **dict(
-                encoder_kind="efficientnet_lite0",
-                encoder=None,
-                projection="mlp",
-                nproc_per_node=2,
-                micro_batch_size=4,
-                global_batch_size=8,
-                pair_count=100,
-                vqa_count=None,
-                lr=3e-3,
-                warmup_steps=5,
-                max_length=256,
-                checkpoint_every=10**6,
-                log_every=20,
-                eval_fraction=0.05,
-                timeout_s=3600,
-            ),
-            **settings,
-        }
-    )
+    base = {
+        "model": {"encoder_kind": "efficientnet_lite0", "encoder": None, "projection": "mlp", "max_length": 256},
+        "optimizer": {"global_batch_size": 8, "lr": 3e-3, "warmup_steps": 5},
+        "data": {"pair_count": 100, "vqa_count": None, "eval_fraction": 0.05},
+        "checkpoint": {"every": 10**6},
+        "parallelism": {"nproc_per_node": 2, "micro_batch_size": 4},
+        "log_every": 20,
+        "timeout_s": 3600,
+    }
+    config = VisualChatTrainConfig(**overlay(base, sections))
     paths = RunPaths(
         inputs={"occlusion_manifests": str(inputs)},
         out_dir=str(work / "out"),
@@ -275,11 +257,9 @@ def main() -> None:
                 Path(tmp),
                 name,
                 inputs,
-                decoder=str(decoder),
-                max_steps=args.steps,
-                packing=packing,
-                pack_tokens=256,
-                freeze_modules=["encoder"],
+                model={"decoder": str(decoder), "freeze_modules": ["encoder"]},
+                optimizer={"max_steps": args.steps},
+                data={"packing": packing, "pack_tokens": 256},
             )
             rows.append(
                 (f"EfficientNet-Lite0 + mlp + GPT-2 tiny, {name}", report, evaluate(model, inputs, args.eval_images))
@@ -289,13 +269,10 @@ def main() -> None:
                 Path(tmp),
                 "smollm2",
                 inputs,
-                decoder=str(smollm2(cache)),
-                max_steps=max(args.steps // 4, 5),
-                packing=True,
-                pack_tokens=256,
-                micro_batch_size=1,
-                global_batch_size=2,
-                lr=1e-3,
+                model={"decoder": str(smollm2(cache))},
+                optimizer={"max_steps": max(args.steps // 4, 5), "global_batch_size": 2, "lr": 1e-3},
+                data={"packing": True, "pack_tokens": 256},
+                parallelism={"micro_batch_size": 1},
             )
             rows.append(
                 (

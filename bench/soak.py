@@ -449,15 +449,23 @@ class Soak:
 
         data = offline_data_dir()
         if target.asset == "visualchat_model":
+            from vlm_assets_tests.models.visualchat_fixtures import tiny_model_section
+
             images = {"source": "fashion_mnist", "source_uri": str(data / "fashion-mnist")}
             images.update(num_train=60, num_validation=20)
-            chat = {"encoder_kind": "clip", "encoder": str(self.models / "clip"), "decoder": str(self.models / "gpt2")}
-            chat.update(projection="mlp", pair_count=8, eval_images=8, max_length=256, nproc_per_node=2, num_nodes=1)
-            chat.update(micro_batch_size=2, global_batch_size=4, lr=3e-3, warmup_steps=1, seed=0, timeout_s=600)
-            # the soak judges faults, not quality: the VQA gate's threshold is left to the tests and the demo
-            chat.update(checks={"min_exact_match": 0.0})
             steps, every = (48, 8) if self.args.demo else (24, 4)
-            chat.update(max_steps=steps, checkpoint_every=every, log_every=every)
+            chat = {
+                "model": tiny_model_section(self.models / "clip", self.models / "gpt2"),
+                "optimizer": {"global_batch_size": 4, "lr": 3e-3, "warmup_steps": 1, "max_steps": steps},
+                "data": {"pair_count": 8, "eval_images": 8},
+                "checkpoint": {"every": every},
+                "parallelism": {"nproc_per_node": 2, "num_nodes": 1, "micro_batch_size": 2},
+                "seed": 0,
+                "log_every": every,
+                "timeout_s": 600,
+                # the soak judges faults, not quality: the VQA gate's threshold is left to the tests and the demo
+                "checks": {"min_exact_match": 0.0},
+            }
             return {"ops": {"occlusion_manifests": {"config": images}, "visualchat_model": {"config": chat}}}
         tokens = {
             "source": "text_files",
@@ -466,19 +474,22 @@ class Soak:
             "max_length": 256 if self.args.demo else 64,
             "max_val_samples": 64,
         }
-        gpt = {"preset": "tiny", "strategy": "ddp", "num_nodes": 2, "nproc_per_node": 1, "lr": 3e-3}
-        gpt.update({"warmup_steps": 5, "val_batches": 4, "keep_last": 2, "seed": 0})
-        if self.args.demo:
-            gpt.update(micro_batch_size=4, global_batch_size=8, max_steps=40, val_check_interval=20)
-            gpt.update(checkpoint_every=10, log_every=10)
-        else:
-            gpt.update(micro_batch_size=2, global_batch_size=8, max_steps=24, val_check_interval=12)
-            gpt.update(checkpoint_every=6, log_every=6)
+        micro, steps, every = (4, 40, 10) if self.args.demo else (2, 24, 6)
+        gpt = {
+            "model": {"preset": "tiny"},
+            "optimizer": {"global_batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "max_steps": steps},
+            "data": {"val_check_interval": 2 * every, "val_batches": 4},
+            "checkpoint": {"every": every, "keep_last": 2},
+            "parallelism": {"strategy": "ddp", "num_nodes": 2, "nproc_per_node": 1, "micro_batch_size": micro},
+            "seed": 0,
+            "log_every": every,
+        }
         return {"ops": {"token_shards": {"config": tokens}, "gpt_checkpoint": {"config": gpt}}}
 
     def checkpoint_steps(self, target: Target) -> list[int]:
         config = self.run_config(target)["ops"][target.asset]["config"]
-        return list(range(config["checkpoint_every"], config["max_steps"] + 1, config["checkpoint_every"]))
+        every, last = config["checkpoint"]["every"], config["optimizer"]["max_steps"]
+        return list(range(every, last + 1, every))
 
     def materialize(self, name: str, target: Target, faults: list[Fault]) -> dict:
         import dagster as dg
@@ -520,7 +531,7 @@ class Soak:
         attempt: list[subprocess.Popen] = []  # the attempts (run workers): the last is live, for the kills
         steps = []
         config = self.run_config(target)["ops"][target.asset]["config"]
-        every, last = config["checkpoint_every"], config["max_steps"]
+        every, last = config["checkpoint"]["every"], config["optimizer"]["max_steps"]
         stop = threading.Event()
         torn: list[str] = []
         checked: set[str] = set()

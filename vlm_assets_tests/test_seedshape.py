@@ -119,15 +119,11 @@ def test_token_shards_from_a_hub_layout_dataset_through_datasets(seed_root, toke
 
 def test_gpt_124m_shape_at_tiny_width_under_fsdp2(seed_root, tokens_config):
     gpt = {
-        "n_embd": 48,  # 124M's 12 layers and 12 heads, 4 dimensions per head
-        "nproc_per_node": 2,
-        "micro_batch_size": 1,
-        "global_batch_size": 2,
-        "max_steps": 2,
-        "warmup_steps": 1,
-        "val_check_interval": 2,
-        "val_batches": 1,
-        "checkpoint_every": 2,
+        "model": {"n_embd": 48},  # 124M's 12 layers and 12 heads, 4 dimensions per head
+        "optimizer": {"global_batch_size": 2, "max_steps": 2, "warmup_steps": 1},
+        "data": {"val_check_interval": 2, "val_batches": 1},
+        "checkpoint": {"every": 2},
+        "parallelism": {"nproc_per_node": 2, "micro_batch_size": 1},
         "checks": {"min_val_loss_gain": 0.0},
     }
     config = {"ops": {"token_shards": {"config": tokens_config}, "gpt_checkpoint": {"config": gpt}}}
@@ -159,13 +155,10 @@ def test_adapter_on_a_qwen2_5_vl_directory_under_deepspeed_zero2(tmp_path, offli
     prompt = json.loads((root / "dataset.json").read_text())["prompt"]
     backbone = build_tiny_qwen(tmp_path / "qwen", [prompt] + class_names(root) * 20)  # the 3B's place
     adapter = {
-        "backbone": str(backbone),
-        "strategy": "deepspeed",  # the seed's "auto" on GPUs; on CPU "auto" is DDP
-        "epochs": 1,
-        "num_train": 8,
-        "num_validation": 4,
-        "global_batch_size": 4,
-        "nproc_per_node": 2,
+        "model": {"backbone": str(backbone)},
+        "optimizer": {"epochs": 1, "global_batch_size": 4},
+        "data": {"num_train": 8, "num_validation": 4},
+        "parallelism": {"strategy": "deepspeed", "nproc_per_node": 2},  # the seed's "auto" on GPUs; DDP on CPU
     }
     env = IsolatedEnv(tmp_path / "env", seed_assets("occlusion_manifests", "occlusion_adapter"))
     result = env.materialize({"ops": {**manifests, "occlusion_adapter": {"config": adapter}}})
@@ -180,16 +173,14 @@ def test_visualchat_with_a_clip_encoder_and_a_llama_decoder(tmp_path, offline_da
 
     env = IsolatedEnv(tmp_path / "env", seed_assets("occlusion_manifests", "visualchat_model"))
     visualchat = {
-        "encoder": str(tiny_clip(tmp_path / "clip")),  # openai/clip-vit-large-patch14's place
-        "decoder": str(tiny_decoder(tmp_path / "llama", offline_data, arch="llama")),  # Llama-2-7B's
-        "vqa_count": 16,
-        "eval_images": 8,
-        "max_steps": 2,
-        "warmup_steps": 1,
-        "micro_batch_size": 1,
-        "global_batch_size": 2,
-        "nproc_per_node": 2,
-        "checkpoint_every": 2,
+        "model": {
+            "encoder": str(tiny_clip(tmp_path / "clip")),  # openai/clip-vit-large-patch14's place
+            "decoder": str(tiny_decoder(tmp_path / "llama", offline_data, arch="llama")),  # Llama-2-7B's
+        },
+        "optimizer": {"global_batch_size": 2, "max_steps": 2, "warmup_steps": 1},
+        "data": {"vqa_count": 16, "eval_images": 8},
+        "checkpoint": {"every": 2},
+        "parallelism": {"nproc_per_node": 2, "micro_batch_size": 1},
     }
     config = {
         "occlusion_manifests": {"config": fashion_mnist(offline_data, 20, 10)},

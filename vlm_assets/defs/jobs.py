@@ -18,7 +18,7 @@ def jobs() -> dg.Definitions:
         executor_def=dg.in_process_executor,
     )
     # A trainer and the data it reads, e.g. `dagster job execute -j gpt_job`; a model it builds on
-    # (`backbone: visualchat`, `decoder: gpt_checkpoint`) is read from its latest materialization.
+    # (`backbone_asset: visualchat_model`, `decoder_asset: gpt_checkpoint`) is read from its latest materialization.
     # Dagster's default executor: multiprocess unless the run config says
     # `execution: {config: {in_process: {}}}`.
     trainer_jobs = [

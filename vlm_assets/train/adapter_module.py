@@ -21,27 +21,27 @@ class AdapterModule(L.LightningModule):
     def __init__(self, config: AdapterTrainConfig, backbone: str):
         super().__init__()
         self.config, self.backbone_path = config, backbone
-        self.adapter = OcclusionAdapter(steps=config.adapter_steps)
+        self.adapter = OcclusionAdapter(steps=config.model.adapter_steps)
         self.backbone: FrozenVLM | None = None
         self.strict_loading = False  # checkpoints hold the adapter only
 
     def configure_model(self) -> None:
         # Reconstruction alone (warm-up spans every epoch) never runs the backbone: do not load it.
-        if self.backbone is None and self.config.reconstruction_warmup_epochs < self.config.epochs:
+        if self.backbone is None and self.config.optimizer.reconstruction_warmup_epochs < self.config.optimizer.epochs:
             dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
             self.backbone = load_backbone(
                 self.backbone_path,
-                max_length=self.config.max_length,
+                max_length=self.config.data.max_length,
                 dtype=dtype,
-                gradient_checkpointing=self.config.gradient_checkpointing,
+                gradient_checkpointing=self.config.parallelism.gradient_checkpointing,
             )
 
     def losses(self, batch: dict, with_lm: bool = True) -> dict[str, torch.Tensor]:
         restored = self.adapter(batch["occluded"], batch["mask"])
         rec = masked_l1(restored, batch["clean"], batch["mask"])
-        if self.config.reconstruction_outside_box:  # outside the box the clean image is the input
+        if self.config.optimizer.reconstruction_outside_box:  # outside the box the clean image is the input
             rec = rec + masked_l1(restored, batch["clean"], 1.0 - batch["mask"])
-        out = {"loss": self.config.reconstruction_loss_weight * rec, "reconstruction_loss": rec}
+        out = {"loss": self.config.optimizer.reconstruction_loss_weight * rec, "reconstruction_loss": rec}
         if with_lm:
             out["lm_loss"] = self.backbone.loss(restored, batch["prompt"], batch["answer"])
             out["loss"] = out["loss"] + out["lm_loss"]
@@ -50,7 +50,7 @@ class AdapterModule(L.LightningModule):
     def with_lm(self) -> bool:
         """False during the reconstruction warm-up: the backbone is not run at all then (the adapter alone
         takes milliseconds), in training and validation."""
-        return self.current_epoch >= self.config.reconstruction_warmup_epochs
+        return self.current_epoch >= self.config.optimizer.reconstruction_warmup_epochs
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         losses = self.losses(batch, with_lm=self.with_lm())
@@ -64,7 +64,10 @@ class AdapterModule(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(
-            self.adapter.parameters(), lr=self.config.lr, betas=(0.9, 0.95), weight_decay=self.config.weight_decay
+            self.adapter.parameters(),
+            lr=self.config.optimizer.lr,
+            betas=(0.9, 0.95),
+            weight_decay=self.config.optimizer.weight_decay,
         )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

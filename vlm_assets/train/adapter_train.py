@@ -104,16 +104,16 @@ class EpochHistory(L.Callback):
 
 def build_trainer(run: TrainerRun[AdapterTrainConfig], callbacks, checkpoint_io: StoreCheckpointIO) -> L.Trainer:
     config, cuda = run.config, torch.cuda.is_available()
-    if config.resolved_strategy(cuda) == "deepspeed":
+    if config.parallelism.resolved_strategy(cuda) == "deepspeed":
         strategy = deepspeed_strategy(checkpoint_io, stage=2, exclude_frozen_parameters=True)
     else:
         strategy = DDPStrategy(process_group_backend=backend(), checkpoint_io=checkpoint_io)
     return run.trainer(
         strategy,
         callbacks,
-        max_epochs=config.epochs,
+        max_epochs=config.optimizer.epochs,
         accumulate_grad_batches=config.accumulation(run.world),
-        gradient_clip_val=config.grad_clip or None,
+        gradient_clip_val=config.optimizer.grad_clip or None,
     )
 
 
@@ -122,8 +122,8 @@ def train(run: TrainerRun[AdapterTrainConfig]) -> None:
     L.seed_everything(config.seed, workers=True, verbose=False)
     root = Path(paths.input("occlusion_manifests"))
     backbone = paths.input("backbone")
-    train_data = OcclusionSamples(root, "train", config.image_size, config.num_train)
-    val_data = OcclusionSamples(root, "validation", config.image_size, config.num_validation)
+    train_data = OcclusionSamples(root, "train", config.data.image_size, config.data.num_train)
+    val_data = OcclusionSamples(root, "validation", config.data.image_size, config.data.num_validation)
     resume = run.latest_checkpoint()
     history = EpochHistory(reporter)
     # After every validation, i.e. every epoch (the validation loop runs at each epoch's end).
@@ -138,7 +138,7 @@ def train(run: TrainerRun[AdapterTrainConfig]) -> None:
     )
     trainer = build_trainer(run, [history, checkpoints], run.checkpoint_io(keep_last=2))
     module = AdapterModule(config, backbone)
-    loader = functools.partial(DataLoader, batch_size=config.micro_batch_size, collate_fn=collate)
+    loader = functools.partial(DataLoader, batch_size=config.parallelism.micro_batch_size, collate_fn=collate)
     reporter.log(
         f"adapter on frozen {backbone}: {len(train_data)} train / {len(val_data)} val samples, "
         + (f"resuming from {resume[0]}" if resume else "starting from scratch")
@@ -160,8 +160,8 @@ def train(run: TrainerRun[AdapterTrainConfig]) -> None:
             {
                 **{k.replace("/", "_"): v for k, v in last.items()},
                 "gate": float(module.adapter.gate.detach()),
-                "epochs": config.epochs,
-                "strategy": config.resolved_strategy(torch.cuda.is_available()),
+                "epochs": config.optimizer.epochs,
+                "strategy": config.parallelism.resolved_strategy(torch.cuda.is_available()),
                 "world_size": trainer.world_size,
                 "precision": trainer.precision,
                 "backend": process_group_backend(),

@@ -6,41 +6,16 @@ from typing import Literal, Self
 from pydantic import Field, field_validator, model_validator
 
 from vlm_assets.models.gpt_presets import PRESETS
-from vlm_assets.train.run_config import RunConfig, run_field
+from vlm_assets.train.run_config import Optimizer, Parallelism, RunConfig, Settings, run_field
 
 
-class PretrainConfig(RunConfig):
+class GPTModel(Settings):
     preset: str = Field(default="124M", description=f"Model shape and default lr: one of {list(PRESETS)}.")
     n_embd: int | None = Field(
         default=None, ge=1, description="Width instead of the preset's (its heads kept): a preset's shape at test size."
     )
     n_layer: int | None = Field(default=None, ge=1, description="Depth instead of the preset's.")
     dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout in embeddings, attention and MLP.")
-    strategy: Literal["ddp", "fsdp2"] = Field(
-        default="fsdp2", description="DDP, or FSDP2 (fully_shard per block, then the root)."
-    )
-    micro_batch_size: int = run_field(
-        8,
-        "Sequences per process per forward/backward (memory, not the math: accumulation keeps the global batch).",
-        ge=1,
-    )
-    global_batch_size: int = Field(default=256, ge=1, description="Sequences per optimizer step over all processes.")
-    lr: float | None = Field(default=None, gt=0, description="Peak learning rate; unset = the preset's.")
-    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Cosine decays to lr x this.")
-    warmup_steps: int = Field(default=100, ge=0, description="Linear warmup from 0, in optimizer steps.")
-    max_steps: int = Field(default=2000, ge=1, description="Optimizer steps.")
-    weight_decay: float = Field(default=0.1, ge=0, description="AdamW weight decay, only on >= 2-D parameters.")
-    grad_clip: float = Field(default=1.0, ge=0, description="Max global gradient norm; 0 disables.")
-    val_check_interval: int = Field(default=200, ge=1, description="Validate every this many steps (and at the end).")
-    val_batches: int = Field(default=20, ge=1, description="Micro-batches per validation.")
-    seed: int = Field(default=1337, description="Seeds init and data order.")
-    activation_checkpointing: bool = run_field(
-        False, "Recompute each block's activations in backward (memory for time)."
-    )
-    checkpoint_every: int = run_field(200, "Commit a checkpoint every this many steps (and at the end).", ge=1)
-    keep_last: int = run_field(2, "Complete checkpoints kept in the store.", ge=1)
-    log_every: int = run_field(10, "Report metrics (Pipes, MLflow) every this many steps.", ge=1)
-    num_workers: int = run_field(0, "DataLoader workers per process.", ge=0)
 
     @field_validator("preset")
     @classmethod
@@ -49,10 +24,6 @@ class PretrainConfig(RunConfig):
             raise ValueError(f"unknown preset {value!r}; choose one of {list(PRESETS)}")
         return value
 
-    def shape(self) -> dict[str, int]:
-        """The preset's shape overrides this config gives (``models.gpt_presets.preset``'s keyword arguments)."""
-        return {k: v for k, v in (("n_embd", self.n_embd), ("n_layer", self.n_layer)) if v is not None}
-
     @model_validator(mode="after")
     def _width_fits_the_heads(self) -> Self:
         heads = PRESETS[self.preset][2]
@@ -60,8 +31,53 @@ class PretrainConfig(RunConfig):
             raise ValueError(f"n_embd {self.n_embd} is not a multiple of preset {self.preset}'s {heads} heads")
         return self
 
+    def shape(self) -> dict[str, int]:
+        """The preset's shape overrides this config gives (``models.gpt_presets.preset``'s keyword arguments)."""
+        return {k: v for k, v in (("n_embd", self.n_embd), ("n_layer", self.n_layer)) if v is not None}
+
+
+class GPTOptimizer(Optimizer):
+    global_batch_size: int = Field(default=256, ge=1, description="Sequences per optimizer step over all processes.")
+    lr: float | None = Field(default=None, gt=0, description="Peak learning rate; unset = the preset's.")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Cosine decays to lr x this.")
+    warmup_steps: int = Field(default=100, ge=0, description="Linear warmup from 0, in optimizer steps.")
+    max_steps: int = Field(default=2000, ge=1, description="Optimizer steps.")
+    weight_decay: float = Field(default=0.1, ge=0, description="AdamW weight decay, only on >= 2-D parameters.")
+    grad_clip: float = Field(default=1.0, ge=0, description="Max global gradient norm; 0 disables.")
+
     @model_validator(mode="after")
     def _warmup_fits(self) -> Self:
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps {self.warmup_steps} exceeds max_steps {self.max_steps}")
         return self
+
+
+class GPTData(Settings):
+    val_check_interval: int = Field(default=200, ge=1, description="Validate every this many steps (and at the end).")
+    val_batches: int = Field(default=20, ge=1, description="Micro-batches per validation.")
+    num_workers: int = run_field(0, "DataLoader workers per process.", ge=0)
+
+
+class GPTCheckpoint(Settings):
+    every: int = run_field(200, "Commit a checkpoint every this many steps (and at the end).", ge=1)
+    keep_last: int = run_field(2, "Complete checkpoints kept in the store.", ge=1)
+
+
+class GPTParallelism(Parallelism):
+    strategy: Literal["ddp", "fsdp2"] = Field(
+        default="fsdp2", description="DDP, or FSDP2 (fully_shard per block, then the root)."
+    )
+    micro_batch_size: int = run_field(
+        8,
+        "Sequences per process per forward/backward (memory, not the math: accumulation keeps the global batch).",
+        ge=1,
+    )
+    activation_checkpointing: bool = run_field(
+        False, "Recompute each block's activations in backward (memory for time)."
+    )
+
+
+class PretrainConfig(RunConfig[GPTModel, GPTOptimizer, GPTData, GPTCheckpoint, GPTParallelism]):
+    """GPT pretraining (nanoGPT's recipe): the seed's defaults."""
+
+    seed: int = Field(default=1337, description="Seeds init and data order.")

@@ -48,9 +48,9 @@ class GPTPretrainModule(L.LightningModule):
         if self.model is not None:  # called again by trainer.validate after fit
             return
         self.model = GPT(self.model_config)
-        if self.config.activation_checkpointing:
+        if self.config.parallelism.activation_checkpointing:
             apply_activation_checkpointing(self.model)
-        if self.config.strategy == "fsdp2":
+        if self.config.parallelism.strategy == "fsdp2":
             apply_fsdp2(self.model, self.device_mesh["data_parallel"], bf16=self.trainer.precision == "bf16-mixed")
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
@@ -76,20 +76,29 @@ class GPTPretrainModule(L.LightningModule):
         # shards: torch.nn.utils.clip_grad_norm_ computes each shard's norm and all-reduces them
         # through DTensor, so the clipping uses the norm of the *full* gradient (what torchtitan does;
         # Lightning's own norm clipping is refused for sharded strategies for this reason).
-        if self.config.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip, foreach=True)
+        if self.config.optimizer.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.config.optimizer.grad_clip, foreach=True
+            )
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             self.log("train/grad_norm", norm)
 
     def configure_optimizers(self):
         fused = self.device.type == "cuda"
         optimizer = torch.optim.AdamW(
-            param_groups(self.model, self.config.weight_decay), lr=self.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused
+            param_groups(self.model, self.config.optimizer.weight_decay),
+            lr=self.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            fused=fused,
         )
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda step: warmup_cosine(
-                step, warmup=self.config.warmup_steps, total=self.config.max_steps, min_ratio=self.config.min_lr_ratio
+                step,
+                warmup=self.config.optimizer.warmup_steps,
+                total=self.config.optimizer.max_steps,
+                min_ratio=self.config.optimizer.min_lr_ratio,
             ),
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -120,16 +129,16 @@ class TokenDataModule(L.LightningDataModule):
                 self.shards_uri,
                 "train",
                 cache_dir=cache,
-                batch_size=self.config.micro_batch_size,
+                batch_size=self.config.parallelism.micro_batch_size,
                 shuffle=True,
                 seed=self.config.seed,
             )
             self.val_data = token_dataset(
-                self.shards_uri, "val", cache_dir=cache, batch_size=self.config.micro_batch_size
+                self.shards_uri, "val", cache_dir=cache, batch_size=self.config.parallelism.micro_batch_size
             )
 
     def _loader(self, data, **kwargs) -> DataLoader:
-        batch, workers = self.config.micro_batch_size, self.config.num_workers
+        batch, workers = self.config.parallelism.micro_batch_size, self.config.data.num_workers
         return DataLoader(data, batch_size=batch, collate_fn=collate_tokens, num_workers=workers, **kwargs)
 
     def train_dataloader(self) -> DataLoader:

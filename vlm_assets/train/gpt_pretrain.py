@@ -41,7 +41,7 @@ warnings.filterwarnings("ignore", message=r".*Your `IterableDataset` has `__len_
 
 def build_trainer(run: TrainerRun[PretrainConfig], callbacks: list[L.Callback], checkpoint_io) -> L.Trainer:
     config = run.config
-    if config.strategy == "fsdp2":
+    if config.parallelism.strategy == "fsdp2":
         strategy = ModelParallelStrategy(
             data_parallel_size=run.world, tensor_parallel_size=1, save_distributed_checkpoint=False
         )
@@ -51,12 +51,12 @@ def build_trainer(run: TrainerRun[PretrainConfig], callbacks: list[L.Callback], 
     return run.trainer(
         strategy,
         callbacks,
-        max_steps=config.max_steps,
+        max_steps=config.optimizer.max_steps,
         max_epochs=-1,
         accumulate_grad_batches=accumulation,
-        val_check_interval=config.val_check_interval * accumulation,
+        val_check_interval=config.data.val_check_interval * accumulation,
         check_val_every_n_epoch=None,
-        limit_val_batches=config.val_batches,
+        limit_val_batches=config.data.val_batches,
         use_distributed_sampler=False,  # streaming shards the samples over ranks itself
         plugins=[checkpoint_io],
     )
@@ -67,23 +67,25 @@ def train(run: TrainerRun[PretrainConfig]) -> None:
     shards_uri = paths.input("token_shards")
     summary = json.loads(_shards_path(shards_uri, paths.cache_dir, "tokens.json").read_text())
     model_config, preset_lr = preset(
-        config.preset,
-        **{"vocab_size": summary["vocab_size"], "block_size": summary["max_length"], "dropout": config.dropout},
-        **config.shape(),
+        config.model.preset,
+        **{"vocab_size": summary["vocab_size"], "block_size": summary["max_length"], "dropout": config.model.dropout},
+        **config.model.shape(),
     )
-    lr = config.lr or preset_lr
+    lr = config.optimizer.lr or preset_lr
     L.seed_everything(config.seed, workers=True, verbose=False)
     resume = run.latest_checkpoint()
-    tokens_per_step = config.global_batch_size * summary["max_length"]
-    history = TrainingHistory(reporter, config.max_steps, tokens_per_step)
+    tokens_per_step = config.optimizer.global_batch_size * summary["max_length"]
+    history = TrainingHistory(reporter, config.optimizer.max_steps, tokens_per_step)
     checkpoints = StepCheckpoint(
-        run.cache / "staging", every=config.checkpoint_every, val_every=config.val_check_interval
+        run.cache / "staging", every=config.checkpoint.every, val_every=config.data.val_check_interval
     )
-    trainer = build_trainer(run, [history, checkpoints, StepSeed(config.seed)], run.checkpoint_io(config.keep_last))
+    trainer = build_trainer(
+        run, [history, checkpoints, StepSeed(config.seed)], run.checkpoint_io(config.checkpoint.keep_last)
+    )
     module = GPTPretrainModule(model_config, config, lr)
     data = TokenDataModule(config, shards_uri, paths.cache_dir)
     reporter.log(
-        f"GPT {config.preset} ({model_config}), {config.strategy} on {world} process(es), "
+        f"GPT {config.model.preset} ({model_config}), {config.parallelism.strategy} on {world} process(es), "
         f"accumulation {config.accumulation(world)}, lr {lr}, "
         + (f"resuming from {resume[0]}" if resume else "starting from scratch")
     )
@@ -120,7 +122,7 @@ def train(run: TrainerRun[PretrainConfig]) -> None:
                 "num_params": sum(v.numel() for k, v in state.items() if k != "lm_head.weight"),
                 "resumed_from_step": history.resumed_from_step if history.resumed_from_step is not None else -1,
                 "world_size": world,
-                "strategy": config.strategy,
+                "strategy": config.parallelism.strategy,
                 "precision": trainer.precision,
                 "backend": process_group_backend(),
                 "checkpoint": final[0],

@@ -1,9 +1,13 @@
-"""What every trainer's config shares: identity vs run fields, validated JSON round trip, topology and
-gradient accumulation, and the run file the launcher hands to every process.
+"""What every trainer's config shares: sections, identity vs run fields, validated JSON round trip,
+topology and gradient accumulation, and the run file the launcher hands to every process.
 
-A trainer has exactly one config model (``PretrainConfig``, ``AdapterTrainConfig``): the asset's
-Dagster config is that model mixed into ``dg.Config`` and the torchrun entry point reads the same
-model back from the run file. Fields are of two kinds:
+A trainer has exactly one config model (``PretrainConfig``, ``AdapterTrainConfig``,
+``VisualChatTrainConfig``), composed of sections as torchtitan's job config is: ``model``,
+``optimizer`` (the objective and its schedule, the global batch), ``data``, ``checkpoint`` and
+``parallelism`` (topology, strategy, the per-process batch, memory-for-time switches), plus the run's
+``seed``, ``log_every`` and ``timeout_s``. The asset's Dagster config is that model's twin mixed into
+``dg.Config`` (``vlm_assets.defs.platform.training``) and the torchrun entry point reads the same model
+back from the run file. Fields, in a section or not, are of three kinds:
 
 - **identity** (the default): they shape the artifact, so they enter the cache key and the key of the
   training checkpoints;
@@ -17,14 +21,14 @@ model back from the run file. Fields are of two kinds:
 
 import json
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vlm_assets.launch.spec import LaunchSpec
 
 _RUN = {"identity": False}
-_SECTION = {"identity": False, "section": True}
+_STEP = {"identity": False, "step": True}
 C = TypeVar("C", bound="RunConfig")
 
 
@@ -37,56 +41,120 @@ def step_field(description: str, **default: Any) -> Any:
     """A field only the asset's own step reads (a checks section, the pod resources, an upstream choice):
     outside the cache key (an upstream it reads enters the key by its data version), and left out of
     the run file the trainer's processes read."""
-    return Field(description=description, json_schema_extra=_SECTION, **default)
+    return Field(description=description, json_schema_extra=_STEP, **default)
 
 
-def describe_validation_error(err: ValidationError, where: str) -> str:
-    """``<where>: field <a.b>: <message>`` lines, one per problem, for users rather than developers."""
+def overlay(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """A config dict with ``override`` laid over ``base`` section by section: the fields a section of
+    ``override`` gives replace the base's (a dict-valued field such as ``chat_datasets`` whole), the
+    section's other fields stay."""
+    sections = {
+        k: {**base[k], **v} for k, v in override.items() if isinstance(v, dict) and isinstance(base.get(k), dict)
+    }
+    return {**base, **override, **sections}
+
+
+def describe_validation_error(err: ValidationError, where: str, section: tuple[str, ...] = ()) -> str:
+    """``<where>: field <a.b>: <message>`` lines, one per problem, for users rather than developers;
+    ``section``: where in a larger config the model that raised ``err`` sits."""
     lines = []
     for e in err.errors():
-        message = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}: field {'.'.join(map(str, e['loc']))}: {message}" if e["loc"] else f"{where}: {message}")
+        message, loc = e["msg"].removeprefix("Value error, "), (*section, *e["loc"])
+        lines.append(f"{where}: field {'.'.join(map(str, loc))}: {message}" if loc else f"{where}: {message}")
     return "\n".join(lines)
 
 
 class Settings(BaseModel):
-    """A validated settings model whose fields are identity fields unless declared with ``run_field``."""
+    """A validated settings model whose fields are identity fields unless declared with ``run_field`` or
+    ``step_field``; a field whose type is itself ``Settings`` is a section, its fields judged one by one."""
 
     model_config = ConfigDict(extra="forbid")
 
     @classmethod
-    def run_field_names(cls) -> set[str]:
-        return {name for name, field in cls.model_fields.items() if field.json_schema_extra in (_RUN, _SECTION)}
+    def sections(cls) -> dict[str, type["Settings"]]:
+        """Field name -> section type, for the fields that are sections."""
+        return {
+            name: field.annotation
+            for name, field in cls.model_fields.items()
+            if isinstance(field.annotation, type) and issubclass(field.annotation, Settings)
+        }
 
     @classmethod
-    def section_names(cls) -> set[str]:
-        return {name for name, field in cls.model_fields.items() if field.json_schema_extra == _SECTION}
+    def _fields_of(cls, kinds: tuple[dict, ...]) -> dict[str, Any]:
+        """A pydantic ``include``/``exclude`` of the fields of these kinds, sections walked."""
+        picked: dict[str, Any] = {}
+        sections = cls.sections()
+        for name, field in cls.model_fields.items():
+            if field.json_schema_extra in kinds:
+                picked[name] = True
+            elif name in sections and (inner := sections[name]._fields_of(kinds)):
+                picked[name] = inner
+        return picked
+
+    @classmethod
+    def step_fields(cls) -> set[str]:
+        return set(cls._fields_of((_STEP,)))
 
     def identity(self) -> dict[str, Any]:
         """The fields that shape the artifact: what the cache key hashes."""
-        return self.model_dump(mode="json", exclude=self.run_field_names())
+        return self.model_dump(mode="json", exclude=self._fields_of((_RUN, _STEP)))
 
     def run_settings(self) -> dict[str, Any]:
         """The fields that only say how to run: recorded in metadata, never in the key."""
-        return self.model_dump(mode="json", include=self.run_field_names())
+        return self.model_dump(mode="json", include=self._fields_of((_RUN, _STEP)))
 
 
-class RunConfig(Settings):
-    """Base of the trainers' configs: batch sizes, topology, the job's time limit."""
+class Parallelism(Settings):
+    """How the work is split over processes and what each holds: the topology and the per-process batch
+    (run fields: a rerun on more nodes resumes the same key), and each trainer's strategy."""
 
-    micro_batch_size: int = run_field(8, "Samples per process per forward/backward (memory, not the math).", ge=1)
-    global_batch_size: int = Field(
-        default=256,
-        ge=1,
-        description=("Samples per optimizer step over all processes (gradient accumulation fills the gap)."),
-    )
     num_nodes: int = run_field(1, "Nodes (local launcher: torchrun agents on 127.0.0.1).", ge=1)
     nproc_per_node: int = run_field(1, "Processes (devices) per node.", ge=1)
+    micro_batch_size: int = run_field(8, "Samples per process per forward/backward (memory, not the math).", ge=1)
+
+
+class Optimizer(Settings):
+    """The objective's optimization: the global batch here, the rate and schedule in each trainer's."""
+
+    global_batch_size: int = Field(
+        default=256, ge=1, description="Samples per optimizer step over all processes (accumulation fills the gap)."
+    )
+
+
+SECTIONS = ("model", "optimizer", "data", "checkpoint", "parallelism")
+ModelT = TypeVar("ModelT", bound=Settings)
+OptimizerT = TypeVar("OptimizerT", bound=Optimizer)
+DataT = TypeVar("DataT", bound=Settings)
+CheckpointT = TypeVar("CheckpointT", bound=Settings)
+ParallelismT = TypeVar("ParallelismT", bound=Parallelism)
+
+
+class RunConfig(Settings, Generic[ModelT, OptimizerT, DataT, CheckpointT, ParallelismT]):
+    """Base of the trainers' configs: the five sections, each a trainer's own settings model
+    (``class PretrainConfig(RunConfig[GPTModel, GPTOptimizer, GPTData, GPTCheckpoint, GPTParallelism])``),
+    and the fields every trainer has. A section left out of the input takes its defaults."""
+
+    model: ModelT = Field(description="What the model is made of.")
+    optimizer: OptimizerT = Field(description="The optimizer, its schedule and the global batch.")
+    data: DataT = Field(description="What the trainer reads, and how much of it.")
+    checkpoint: CheckpointT = Field(description="When checkpoints are committed, what is kept, what a failure leaves.")
+    parallelism: ParallelismT = Field(
+        description="How the work is split: topology, strategy, per-process batch, memory for time."
+    )
+    seed: int = Field(default=0, description="Seeds the initialisation of what trains and the data order.")
+    log_every: int = run_field(10, "Report metrics (Pipes, MLflow) every this many steps.", ge=1)
     timeout_s: int = run_field(24 * 3600, "The whole training job's time limit; raise it and rerun to resume.", ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {**{name: {} for name in SECTIONS if name not in data}, **data}
+        return data
 
     @model_validator(mode="after")
     def _batch_fits_the_world(self) -> Self:
-        self.accumulation(self.num_nodes * self.nproc_per_node)
+        self.accumulation(self.parallelism.num_nodes * self.parallelism.nproc_per_node)
         return self
 
     def launch_spec(
@@ -97,8 +165,8 @@ class RunConfig(Settings):
         return LaunchSpec(
             module,
             args,
-            num_nodes=self.num_nodes,
-            nproc_per_node=self.nproc_per_node,
+            num_nodes=self.parallelism.num_nodes,
+            nproc_per_node=self.parallelism.nproc_per_node,
             timeout_s=self.timeout_s,
             name=name,
             resources=resources or {},
@@ -106,13 +174,13 @@ class RunConfig(Settings):
 
     def accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step so that ``global_batch_size`` samples make one step."""
-        per_step = self.micro_batch_size * world_size
-        if self.global_batch_size % per_step:
+        micro, total = self.parallelism.micro_batch_size, self.optimizer.global_batch_size
+        if total % (micro * world_size):
             raise ValueError(
-                f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
-                f"{self.micro_batch_size} x world size {world_size} = {per_step}"
+                f"optimizer.global_batch_size {total} is not a multiple of parallelism.micro_batch_size "
+                f"{micro} x world size {world_size} = {micro * world_size}"
             )
-        return self.global_batch_size // per_step
+        return total // (micro * world_size)
 
 
 class RunPaths(BaseModel):
@@ -141,7 +209,7 @@ def write_run_file(path: Path, config: RunConfig, paths: RunPaths) -> None:
     path.write_text(
         json.dumps(
             {
-                "config": config.model_dump(mode="json", exclude=config.section_names()),
+                "config": config.model_dump(mode="json", exclude=config.step_fields()),
                 "paths": paths.model_dump(mode="json"),
             },
             indent=1,

@@ -6,19 +6,15 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from vlm_assets.models.visualchat_spec import VisualChatModelConfig
-from vlm_assets.train.run_config import RunConfig, run_field
+from vlm_assets.train.run_config import Optimizer, Parallelism, RunConfig, Settings, run_field
 
 MODULES = ("encoder", "projection", "decoder", "lora")
 
 
-class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
-    micro_batch_size: int = run_field(
-        2, "Rows per process per forward/backward (a row is one sample, or several when packing).", ge=1
-    )
-    global_batch_size: int = Field(default=8, ge=1, description="Rows per optimizer step over all processes.")
-    zero_stage: int = Field(
-        default=2, description="DeepSpeed ZeRO stage: 2 (optimizer + gradients sharded) or 3 (parameters too)."
-    )
+class VisualChatModelSection(VisualChatModelConfig, Settings):
+    """The model's parts (``VisualChatModelConfig``: what the saved model is rebuilt from), LoRA on them,
+    and which of them train."""
+
     lora_r: int = Field(default=8, ge=1, description="LoRA rank on the decoder's linear layers.")
     lora_alpha: int = Field(default=16, ge=1, description="LoRA scale numerator (scale = alpha / r).")
     lora_dropout: float = Field(
@@ -32,12 +28,29 @@ class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
         default=["encoder", "decoder"],
         description=("Modules whose weights stay fixed: encoder, projection, decoder (its base weights), lora."),
     )
+
+    # A list of strings checked here, not of a Literal: Dagster's config types have no Literal lists.
+    @field_validator("freeze_modules")
+    @classmethod
+    def _modules(cls, value: list[str]) -> list[str]:
+        if unknown := sorted(set(value) - set(MODULES)):
+            raise ValueError(f"unknown module(s) {unknown}: choose from {', '.join(MODULES)}")
+        return value
+
+    def trained_modules(self) -> list[str]:
+        return [m for m in MODULES if m not in self.freeze_modules]
+
+
+class VisualChatOptimizer(Optimizer):
+    global_batch_size: int = Field(default=8, ge=1, description="Rows per optimizer step over all processes.")
     lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate (linear warmup, then constant).")
     warmup_steps: int = Field(default=10, ge=0, description="Linear learning-rate warmup steps.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(default=1.0, ge=0, description="Gradient norm clip (0 disables).")
     max_steps: int = Field(default=200, ge=1, description="Optimizer steps.")
-    seed: int = Field(default=0, description="Seeds the projection's init, LoRA's init and the data order.")
+
+
+class VisualChatData(Settings):
     chat_datasets: dict[str, int | None] = Field(
         default={},
         description=(
@@ -87,6 +100,29 @@ class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
             "(0: none)."
         ),
     )
+
+    def read_chat_datasets(self, paths: list[str], max_images: int) -> list[list]:
+        """The records of each chat dataset (``ChatRecord`` lists); ``ChatDataError`` names every bad one."""
+        from vlm_assets.data.chat_formats import read_chat_dataset
+
+        return [
+            read_chat_dataset(p, max_images=max_images, format=self.chat_format, image_folder=self.image_folder)
+            for p in paths
+        ]
+
+
+class VisualChatCheckpoint(Settings):
+    every: int = run_field(50, "Commit a checkpoint every this many optimizer steps (and at the end).", ge=1)
+
+
+class VisualChatParallelism(Parallelism):
+    zero_stage: int = Field(
+        default=2, description="DeepSpeed ZeRO stage: 2 (optimizer + gradients sharded) or 3 (parameters too)."
+    )
+    micro_batch_size: int = run_field(
+        2, "Rows per process per forward/backward (a row is one sample, or several when packing).", ge=1
+    )
+    gradient_checkpointing: bool = run_field(False, "Recompute the decoder's activations in backward.")
     cache_image_features: bool = run_field(
         False,
         (
@@ -94,9 +130,6 @@ class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
             "memory: images x tokens x width floats per process)."
         ),
     )
-    gradient_checkpointing: bool = run_field(False, "Recompute the decoder's activations in backward.")
-    checkpoint_every: int = run_field(50, "Commit a checkpoint every this many optimizer steps (and at the end).", ge=1)
-    log_every: int = run_field(10, "Report the train loss every this many steps.", ge=1)
 
     @field_validator("zero_stage")
     @classmethod
@@ -105,22 +138,8 @@ class VisualChatTrainConfig(RunConfig, VisualChatModelConfig):
             raise ValueError(f"zero_stage {value} is not supported: VisualChat trains with ZeRO stage 2 or 3")
         return value
 
-    # A list of strings checked here, not of a Literal: Dagster's config types have no Literal lists.
-    @field_validator("freeze_modules")
-    @classmethod
-    def _modules(cls, value: list[str]) -> list[str]:
-        if unknown := sorted(set(value) - set(MODULES)):
-            raise ValueError(f"unknown module(s) {unknown}: choose from {', '.join(MODULES)}")
-        return value
 
-    def read_chat_datasets(self, paths: list[str]) -> list[list]:
-        """The records of each chat dataset (``ChatRecord`` lists); ``ChatDataError`` names every bad one."""
-        from vlm_assets.data.chat_formats import read_chat_dataset
-
-        return [
-            read_chat_dataset(p, max_images=self.max_images, format=self.chat_format, image_folder=self.image_folder)
-            for p in paths
-        ]
-
-    def trained_modules(self) -> list[str]:
-        return [m for m in MODULES if m not in self.freeze_modules]
+class VisualChatTrainConfig(
+    RunConfig[VisualChatModelSection, VisualChatOptimizer, VisualChatData, VisualChatCheckpoint, VisualChatParallelism]
+):
+    """VisualChat training (DeepSpeed-VisualChat's recipe: LoRA under ZeRO): the seed's defaults."""

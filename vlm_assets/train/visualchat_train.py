@@ -66,49 +66,53 @@ def build_model(config: VisualChatTrainConfig) -> VisualChatModel:
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(config.seed)
-    model = VisualChatModel.build(config)
+    model = VisualChatModel.build(config.model)
     # GPT-2 stores its linear layers as Conv1D, (in, out): peft must be told (it warns and guesses otherwise).
     transposed = any(isinstance(m, Conv1D) for m in model.decoder.modules())
     lora = LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
+        r=config.model.lora_r,
+        lora_alpha=config.model.lora_alpha,
+        lora_dropout=config.model.lora_dropout,
         target_modules="all-linear",
         fan_in_fan_out=transposed,
     )
     model.decoder = get_peft_model(model.decoder, lora)
-    if config.lora_encoder:
+    if config.model.lora_encoder:
         model.encoder = get_peft_model(
-            model.encoder, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, target_modules="all-linear")
+            model.encoder,
+            LoraConfig(r=config.model.lora_r, lora_alpha=config.model.lora_alpha, target_modules="all-linear"),
         )
     for name, param in model.named_parameters():
         module = "lora" if "lora_" in name else name.split(".")[0]
-        param.requires_grad_(module not in config.freeze_modules)
-    if config.cache_image_features:
+        param.requires_grad_(module not in config.model.freeze_modules)
+    if config.parallelism.cache_image_features:
         model.cache_image_features()
-    if config.gradient_checkpointing:
+    if config.parallelism.gradient_checkpointing:
         model.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
 def build_samples(config: VisualChatTrainConfig, model: VisualChatModel, manifests: Path | None):
     """(train rows, eval samples): blended, split, rendered (bad records fail here, naming file:line), packed."""
-    paths = sorted(config.chat_datasets)
-    datasets = [(records, config.chat_datasets[p]) for p, records in zip(paths, config.read_chat_datasets(paths))]
+    paths = sorted(config.data.chat_datasets)
+    datasets = [
+        (records, config.data.chat_datasets[p])
+        for p, records in zip(paths, config.data.read_chat_datasets(paths, config.model.max_images))
+    ]
     if manifests is not None:
         vqa = vd.manifest_records(
-            manifests, "train", pairs=config.pair_count, phrased=config.phrasing_count, seed=config.seed
+            manifests, "train", pairs=config.data.pair_count, phrased=config.data.phrasing_count, seed=config.seed
         )
-        phrased = len(vqa) - config.phrasing_count  # the phrased records come last
+        phrased = len(vqa) - config.data.phrasing_count  # the phrased records come last
         datasets += [
-            ([r for r in vqa[:phrased] if len(r.images) == 1], config.vqa_count),
+            ([r for r in vqa[:phrased] if len(r.images) == 1], config.data.vqa_count),
             ([r for r in vqa[:phrased] if len(r.images) == 2] + vqa[phrased:], None),
         ]
     records = vd.blend(datasets, config.seed)
     if not records:
         raise ValueError("no training data: set chat_datasets, or give the occlusion manifests with vqa_count > 0")
-    train, held = vd.split(records, config.eval_fraction, config.seed)
-    limit = config.max_length
+    train, held = vd.split(records, config.data.eval_fraction, config.seed)
+    limit = config.model.max_length
     positions = decoder_positions(model.decoder.config)
     if positions is not None and positions < limit:
         limit = positions  # a learned position table (GPT-2) ends there: a longer sample cannot be embedded
@@ -116,11 +120,11 @@ def build_samples(config: VisualChatTrainConfig, model: VisualChatModel, manifes
         render = [vd.render(r, model.tokenizer, model.image_token_id, model.num_image_tokens, limit) for r in train]
         evaluation = [vd.render(r, model.tokenizer, model.image_token_id, model.num_image_tokens, limit) for r in held]
     except ValueError as err:
-        if limit == config.max_length:
+        if limit == config.model.max_length:
             raise
-        raise ValueError(f"{err} (the decoder {config.decoder} has {positions} positions)") from None
-    if config.packing:
-        rows = [[render[i] for i in row] for row in vd.pack([len(s.ids) for s in render], config.pack_tokens)]
+        raise ValueError(f"{err} (the decoder {config.model.decoder} has {positions} positions)") from None
+    if config.data.packing:
+        rows = [[render[i] for i in row] for row in vd.pack([len(s.ids) for s in render], config.data.pack_tokens)]
     else:
         rows = [[s] for s in render]
     return rows, evaluation
@@ -197,8 +201,10 @@ class VisualChatModule(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
-        warmup = self.config.warmup_steps
+        optimizer = torch.optim.AdamW(
+            params, lr=self.config.optimizer.lr, weight_decay=self.config.optimizer.weight_decay
+        )
+        warmup = self.config.optimizer.warmup_steps
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -212,7 +218,8 @@ class VisualChatModule(L.LightningModule):
 def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     config, paths, reporter = run.config, run.paths, run.reporter
     if "decoder" in paths.inputs:  # the decoder the asset resolved (the in-graph GPT's export, or `decoder`)
-        config = config.model_copy(update={"decoder": paths.input("decoder")})
+        spec = config.model.model_copy(update={"decoder": paths.input("decoder")})
+        config = config.model_copy(update={"model": spec})
     L.seed_everything(config.seed, verbose=False)
     model = build_model(config)
     # Training mode for every module but a frozen encoder (VisualChatModel.train: fixed batch-norm
@@ -229,27 +236,29 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     reporter.log(
         f"visualchat: {len(rows)} train rows, {len(evaluation)} eval samples; trains "
-        f"{', '.join(config.trained_modules())}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} "
-        f"parameters; ZeRO-{config.zero_stage}, {run.world} process(es)"
+        f"{', '.join(config.model.trained_modules())}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} "
+        f"parameters; ZeRO-{config.parallelism.zero_stage}, {run.world} process(es)"
     )
-    data = Rows(rows, config.global_batch_size)
+    data = Rows(rows, config.optimizer.global_batch_size)
     loader = StatefulDataLoader(
         data,
-        batch_size=config.micro_batch_size,
+        batch_size=config.parallelism.micro_batch_size,
         sampler=EpochSampler(data, num_replicas=run.world, rank=run.rank, shuffle=True, seed=config.seed),
         collate_fn=functools.partial(
             vd.collate, pad_id=model.tokenizer.pad_token_id, image_size=model.encoder.image_size
         ),
     )
-    history = TrainingHistory(reporter, config.max_steps, tokens_per_step=None)
-    checkpoints = StepCheckpoint(run.cache / "staging", every=config.checkpoint_every)
+    history = TrainingHistory(reporter, config.optimizer.max_steps, tokens_per_step=None)
+    checkpoints = StepCheckpoint(run.cache / "staging", every=config.checkpoint.every)
     trainer = run.trainer(
-        deepspeed_strategy(run.checkpoint_io(keep_last=2), stage=config.zero_stage, exclude_frozen_parameters=True),
+        deepspeed_strategy(
+            run.checkpoint_io(keep_last=2), stage=config.parallelism.zero_stage, exclude_frozen_parameters=True
+        ),
         [history, checkpoints, StepSeed(config.seed)],
-        max_steps=config.max_steps,
+        max_steps=config.optimizer.max_steps,
         max_epochs=-1,
         accumulate_grad_batches=config.accumulation(run.world),
-        gradient_clip_val=config.grad_clip or None,
+        gradient_clip_val=config.optimizer.grad_clip or None,
         use_distributed_sampler=False,  # the loader's own sampler
     )
     resume = run.latest_checkpoint()
@@ -329,15 +338,15 @@ def export(
         with torch.no_grad():
             unmerged = replica(**batch).logits
             replica.decoder = replica.decoder.merge_and_unload()
-            if config.lora_encoder:
+            if config.model.lora_encoder:
                 replica.encoder = replica.encoder.merge_and_unload()
             merged = replica(**batch).logits
         staging = out / "model"
         shutil.rmtree(staging, ignore_errors=True)
         replica.save_pretrained(staging)
         metrics["merge_max_abs_diff"] = float((merged - unmerged).abs().max())
-        if manifests is not None and config.eval_images:
-            metrics.update(evaluate_export(staging, manifests, config.eval_images, out / "eval.json", reporter))
+        if manifests is not None and config.data.eval_images:
+            metrics.update(evaluate_export(staging, manifests, config.data.eval_images, out / "eval.json", reporter))
         (out / "history.json").write_text(json.dumps({"train": history, **metrics}))
         reporter.materialization(metrics)
     dist.barrier()

@@ -19,6 +19,7 @@ import torch
 from vlm_assets.defs.data.occlusion_assets import occlusion_manifests
 from vlm_assets.defs.models.adapter_assets import occlusion_adapter
 from vlm_assets.defs.models.eval_assets import eval_report, registered_adapter
+from vlm_assets.train.run_config import overlay
 from vlm_assets_tests.conftest import IsolatedEnv, checks_of, kill_mid_training_and_relaunch, training_workers
 
 pytestmark = pytest.mark.slow
@@ -26,17 +27,17 @@ pytestmark = pytest.mark.slow
 GRAPH = [occlusion_manifests, occlusion_adapter, eval_report, registered_adapter]  # checks: in the assets' steps
 # The demo's recipe (6 weight-tied steps, reconstruction first, then the LM loss) at test size.
 ADAPTER = {
-    "image_size": 56,
-    "epochs": 3,
-    "lr": 1e-2,
-    "adapter_steps": 6,
-    "reconstruction_warmup_epochs": 1,
-    "reconstruction_loss_weight": 1.0,
-    "reconstruction_outside_box": True,
-    "micro_batch_size": 8,
-    "global_batch_size": 16,
-    "nproc_per_node": 2,
-    "num_train": 480,
+    "model": {"adapter_steps": 6},
+    "optimizer": {
+        "global_batch_size": 16,
+        "lr": 1e-2,
+        "epochs": 3,
+        "reconstruction_warmup_epochs": 1,
+        "reconstruction_loss_weight": 1.0,
+        "reconstruction_outside_box": True,
+    },
+    "data": {"image_size": 56, "num_train": 480},
+    "parallelism": {"nproc_per_node": 2, "micro_batch_size": 8},
     "log_every": 10,
 }
 
@@ -62,14 +63,18 @@ def clean_backbone(offline_data: Path) -> str:
     env = IsolatedEnv(root, [occlusion_manifests])
     built = env.materialize({"ops": {"occlusion_manifests": {"config": manifests_config(offline_data)}}})
     manifests = env.store.local_path(meta(built, "occlusion_manifests")["cache_key"])
-    return str(teach_clean_task(manifests, root, image_size=ADAPTER["image_size"], steps=400))
+    return str(teach_clean_task(manifests, root, image_size=ADAPTER["data"]["image_size"], steps=400))
+
+
+def adapter_config(offline_data) -> dict:
+    return overlay(ADAPTER, {"model": {"backbone": clean_backbone(offline_data)}})
 
 
 def run_config(offline_data, adapter=None, report=None, min_accuracy=0.3):
     return {
         "ops": {
             "occlusion_manifests": {"config": manifests_config(offline_data)},
-            "occlusion_adapter": {"config": {"backbone": clean_backbone(offline_data), **ADAPTER, **(adapter or {})}},
+            "occlusion_adapter": {"config": overlay(adapter_config(offline_data), adapter or {})},
             "eval_report": {
                 "config": {
                     "num_samples": 200,
@@ -324,7 +329,7 @@ def test_killed_worker_resumes_from_the_last_recovery_checkpoint(pipeline, offli
     started = time.time()
     killer = threading.Thread(target=kill_after_first_epoch)
     killer.start()
-    result = env.materialize(run_config(offline_data, adapter={"backbone": str(backbone)}))
+    result = env.materialize(run_config(offline_data, adapter={"model": {"backbone": str(backbone)}}))
     killer.join()
     assert killed, "the worker was never killed"
     assert len([e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]) == 1
@@ -361,10 +366,12 @@ def test_sigkill_of_the_dagster_process_ends_both_workers_and_the_relaunch_resum
 def test_bad_input_fails_at_once_naming_the_row_or_field(pipeline, offline_data, tmp_path):
     env, first = pipeline
     missing = tmp_path / "nope"
-    result = env.materialize(run_config(offline_data, adapter={"backbone": str(missing)}), raise_on_error=False)
-    assert f"config field backbone: directory {missing} does not exist" in _failure(result)
+    result = env.materialize(
+        run_config(offline_data, adapter={"model": {"backbone": str(missing)}}), raise_on_error=False
+    )
+    assert f"config field model.backbone: directory {missing} does not exist" in _failure(result)
 
-    result = env.materialize(run_config(offline_data, adapter={"max_length": 20}), raise_on_error=False)
+    result = env.materialize(run_config(offline_data, adapter={"data": {"max_length": 20}}), raise_on_error=False)
     assert re.search(r"train\.jsonl:1: prompt \+ answer is \d+ tokens .* longer than max_length 20", _failure(result))
 
 
@@ -409,7 +416,9 @@ def test_training_changes_only_the_adapter(pipeline, offline_data, tmp_path):
 
     env, first = pipeline
     manifests = env.store.local_path(meta(first, "occlusion_manifests")["cache_key"])
-    module = AdapterModule(AdapterTrainConfig(image_size=56, lr=5e-3), clean_backbone(offline_data))
+    module = AdapterModule(
+        AdapterTrainConfig(data={"image_size": 56}, optimizer={"lr": 5e-3}), clean_backbone(offline_data)
+    )
     module.configure_model()
     backbone_before = {k: v.clone() for k, v in module.backbone.state_dict().items()}
     adapter_before = {k: v.clone() for k, v in module.adapter.state_dict().items()}
@@ -455,7 +464,10 @@ def test_training_that_fails_for_good_materializes_a_partial_that_blocks(pipelin
     killer.start()
     try:
         result = env.materialize(
-            run_config(offline_data, adapter={"epochs": 4, "materialize_partial_on_failure": True}),
+            run_config(
+                offline_data,
+                adapter={"optimizer": {"epochs": 4}, "checkpoint": {"materialize_partial_on_failure": True}},
+            ),
             raise_on_error=False,
         )
     finally:

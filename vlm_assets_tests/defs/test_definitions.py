@@ -126,6 +126,9 @@ print(json.dumps({{"main": ops(main), "ui": ops(asset_job)}}))
     )
 
 
+SECTIONS = {"model", "optimizer", "data", "checkpoint", "parallelism"}
+
+
 @pytest.mark.parametrize("name", ["demo", "seed"])
 def test_ui_materialize_and_main_job_use_the_active_profile(name):
     from vlm_assets.defs.platform.profiles import profile_defaults
@@ -137,14 +140,16 @@ def test_ui_materialize_and_main_job_use_the_active_profile(name):
     ops = defaults["main"]
     assert ops["token_shards"]["source"] == ("text_files" if name == "demo" else "hf")
     assert ops["occlusion_manifests"]["source"] == ("fashion_mnist" if name == "demo" else "cifar10")
-    assert ops["gpt_checkpoint"]["num_nodes"] == (2 if name == "demo" else 1)
+    assert ops["gpt_checkpoint"]["parallelism"]["num_nodes"] == (2 if name == "demo" else 1)
     assert ops["eval_report"]["checks"]["min_accuracy"] == (0.3 if name == "demo" else 0.5)
     profiled = profile_defaults(name)
     assert name == "seed" or len(profiled) == 8
     for key, values in profiled.items():  # "<asset>" or "<asset>.checks"
         asset, _, section = key.partition(".")
-        for field, value in values.items():
-            assert (ops[asset][section] if section else ops[asset])[field] == value, (key, field)
+        config = ops[asset][section] if section else ops[asset]
+        for field, value in values.items():  # a config section's values: each of its fields
+            for name, one in value.items() if field in SECTIONS else [(None, value)]:
+                assert (config[field][name] if name else config[field]) == one, (key, field, name)
 
 
 def test_a_profile_value_a_field_rejects_fails_the_load_naming_it():
@@ -152,12 +157,12 @@ def test_a_profile_value_a_field_rejects_fails_the_load_naming_it():
         "import vlm_assets.defs.platform.profiles as p\n"
         "real = p.profile_defaults\n"
         "p.profile_defaults = lambda n: {**real(n),\n"
-        "    'gpt_checkpoint': {**real(n)['gpt_checkpoint'], 'lr': -1.0}}"
+        "    'gpt_checkpoint': {**real(n)['gpt_checkpoint'], 'optimizer': {'lr': -1.0}}}"
     )
     proc = _defaults_in_a_fresh_process("demo", patch)
     assert proc.returncode != 0
     assert (
-        "ValueError: profile 'demo': gpt_checkpoint: config of GPTCheckpointConfig: field lr: "
+        "ValueError: profile 'demo': config of gpt_checkpoint (GPTCheckpointConfig): field optimizer.lr: "
         "Input should be greater than 0" in proc.stderr
     )
 
@@ -227,8 +232,8 @@ def test_a_decoder_or_backbone_of_the_users_own_is_read_instead_of_the_profiles_
         "from vlm_assets.defs.models.visualchat_assets import VisualChatAssetConfig as V\n"
         "V().model_dump(mode='json'), A().run_settings()\n"
         "def name(x): return getattr(x, 'value', x)\n"
-        "print(json.dumps([name(V().decoder_asset), name(V(decoder='/mine').decoder_asset),\n"
-        "    name(A().backbone_asset), name(A(backbone='/mine').backbone_asset)]))"
+        "print(json.dumps([name(V().decoder_asset), name(V(model={'decoder': '/mine'}).decoder_asset),\n"
+        "    name(A().backbone_asset), name(A(model={'backbone': '/mine'}).backbone_asset)]))"
     )
     proc = subprocess.run(
         [sys.executable, "-W", "error::UserWarning", "-c", code],

@@ -22,7 +22,7 @@ from vlm_assets.defs.models.gpt_assets import gpt_checkpoint
 from vlm_assets.launch import LaunchSpec, run_local
 from vlm_assets.train.checkpoints import CHECKPOINT_FILE, latest_checkpoint
 from vlm_assets.train.gpt_config import PretrainConfig
-from vlm_assets.train.run_config import RunPaths, write_run_file
+from vlm_assets.train.run_config import RunPaths, overlay, write_run_file
 from vlm_assets_tests.conftest import IsolatedEnv, checks_of, kill_mid_training_and_relaunch, training_workers
 
 pytestmark = pytest.mark.slow
@@ -32,19 +32,11 @@ UNIFORM = math.log(50257)
 MAX_STEPS = 30
 # Two micro-batches of 2 per process and step (gradient accumulation 2 at world size 2).
 GPT = {
-    "preset": "tiny",
-    "strategy": "ddp",
-    "num_nodes": 2,
-    "nproc_per_node": 1,
-    "micro_batch_size": 2,
-    "global_batch_size": 8,
-    "lr": 3e-3,
-    "warmup_steps": 5,
-    "max_steps": MAX_STEPS,
-    "val_check_interval": 10,
-    "val_batches": 4,
-    "checkpoint_every": 6,
-    "keep_last": 2,
+    "model": {"preset": "tiny"},
+    "optimizer": {"global_batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "max_steps": MAX_STEPS},
+    "data": {"val_check_interval": 10, "val_batches": 4},
+    "checkpoint": {"every": 6, "keep_last": 2},
+    "parallelism": {"strategy": "ddp", "num_nodes": 2, "nproc_per_node": 1, "micro_batch_size": 2},
     "log_every": 5,
 }
 
@@ -57,7 +49,7 @@ def run_config(offline_data, **gpt):
         "max_length": 64,
         "max_val_samples": 64,
     }
-    return {"ops": {"token_shards": {"config": tokens}, "gpt_checkpoint": {"config": {**GPT, **gpt}}}}
+    return {"ops": {"token_shards": {"config": tokens}, "gpt_checkpoint": {"config": overlay(GPT, gpt)}}}
 
 
 def Env(root: Path, mlflow_uri: str) -> IsolatedEnv:
@@ -119,7 +111,13 @@ def test_rerun_is_a_cache_hit(ddp_run, offline_data):
 def test_one_node_two_processes_fsdp2(tmp_path, offline_data, mlflow_uri):
     env = Env(tmp_path, mlflow_uri)
     meta, checks = outcome(
-        env.materialize(run_config(offline_data, strategy="fsdp2", num_nodes=1, nproc_per_node=2, checkpoint_every=15))
+        env.materialize(
+            run_config(
+                offline_data,
+                parallelism={"strategy": "fsdp2", "num_nodes": 1, "nproc_per_node": 2},
+                checkpoint={"every": 15},
+            )
+        )
     )
     assert meta["strategy"] == "fsdp2" and meta["steps"] == MAX_STEPS
     assert checks == {"val_loss_beats_uniform": True, "export_reproduces_val_loss": True}
@@ -218,10 +216,13 @@ def test_damaged_checkpoint_is_skipped_for_the_previous_one_by_plain_torchrun(dd
 
 def test_bad_config_fails_at_once_naming_the_field(tmp_path, offline_data, mlflow_uri):
     env = Env(tmp_path, mlflow_uri)
-    result = env.materialize(run_config(offline_data, global_batch_size=7), raise_on_error=False)
+    result = env.materialize(run_config(offline_data, optimizer={"global_batch_size": 7}), raise_on_error=False)
     failure = result.get_step_failure_events()
     assert not result.success and len(failure) == 1
-    assert "global_batch_size 7 is not a multiple of" in failure[0].step_failure_data.user_failure_data.description
+    assert (
+        "optimizer.global_batch_size 7 is not a multiple of"
+        in failure[0].step_failure_data.user_failure_data.description
+    )
 
 
 def test_threshold_change_reruns_the_check_not_the_training(ddp_run, offline_data):
@@ -288,7 +289,7 @@ def test_a_rerun_on_another_world_size_resumes_and_ends_near_the_same_loss(ddp_r
     freezer.join()
     assert frozen, "the job was never frozen after a checkpoint"
 
-    meta, checks = outcome(env.materialize(run_config(offline_data, num_nodes=1, nproc_per_node=1)))
+    meta, checks = outcome(env.materialize(run_config(offline_data, parallelism={"num_nodes": 1, "nproc_per_node": 1})))
     assert meta["cache_key"] == ddp_run[2]["cache_key"] and meta["world_size"] == 1
     assert meta["resumed_from_step"] == frozen["step"] and meta["steps"] == MAX_STEPS and all(checks.values())
     resumed = json.loads((Path(meta["uri"]) / "history.json").read_text())

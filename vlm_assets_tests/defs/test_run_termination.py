@@ -149,7 +149,7 @@ def dev(request, tmp_path_factory, offline_data):
             tmp_path / "home",
             tmp_path / "dagster",
             mlflow_uri,
-            run_config(offline_data, max_steps=400),
+            run_config(offline_data, optimizer={"max_steps": 400}),
             request.param,
             pods,
         )

@@ -3,7 +3,7 @@ with a tiny CLIP and a tiny GPT-2 (built from configs, loaded through from_pretr
 Fashion-MNIST images, 2 processes under ZeRO-2 on gloo through the launcher; then the registered model
 answers through MLflow and the chat CLI's `models:/` resolution, a failing VQA check keeps the alias
 where it was, and bad input fails at once naming the file, line or field. The demo profile's lineage
-(`decoder: gpt_checkpoint`, and the merged model as the adapter's backbone) runs in `test_main_job`."""
+(`decoder_asset: gpt_checkpoint`, and the merged model as the adapter's backbone) runs in `test_main_job`."""
 
 import json
 import re
@@ -19,8 +19,9 @@ from vlm_assets.defs.data.occlusion_assets import occlusion_manifests
 from vlm_assets.defs.models.visualchat_assets import registered_visualchat, visualchat_model
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.models.registry import SERVING_PACKAGES
+from vlm_assets.train.run_config import overlay
 from vlm_assets_tests.conftest import IsolatedEnv, checks_of
-from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
+from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder, tiny_model_section
 
 pytestmark = pytest.mark.slow
 
@@ -39,26 +40,19 @@ def run_config(offline_data: Path, models: Path, visualchat=None, min_exact_matc
                 }
             },
             "visualchat_model": {
-                "config": {
-                    "encoder_kind": "clip",
-                    "encoder": str(models / "clip"),
-                    "decoder": str(models / "gpt2"),
-                    "projection": "mlp",
-                    "max_steps": 4,
-                    "pair_count": 8,
-                    "micro_batch_size": 2,
-                    "global_batch_size": 4,
-                    "nproc_per_node": 2,
-                    "lr": 3e-3,
-                    "warmup_steps": 1,
-                    "max_length": 256,
-                    "eval_images": 8,
-                    "checkpoint_every": 2,
-                    "log_every": 2,
-                    "timeout_s": 600,
-                    "checks": {"min_exact_match": min_exact_match},
-                    **(visualchat or {}),
-                }
+                "config": overlay(
+                    {
+                        "model": tiny_model_section(models / "clip", models / "gpt2"),
+                        "optimizer": {"global_batch_size": 4, "lr": 3e-3, "warmup_steps": 1, "max_steps": 4},
+                        "data": {"pair_count": 8, "eval_images": 8},
+                        "checkpoint": {"every": 2},
+                        "parallelism": {"nproc_per_node": 2, "micro_batch_size": 2},
+                        "log_every": 2,
+                        "timeout_s": 600,
+                        "checks": {"min_exact_match": min_exact_match},
+                    },
+                    visualchat or {},
+                )
             },
         }
     }
@@ -213,9 +207,9 @@ def test_bad_input_fails_at_once_naming_the_file_line_or_field(pipeline, offline
     env, _ = pipeline
     missing = tmp_path / "nope.jsonl"
     result = env.materialize(
-        run_config(offline_data, models, {"chat_datasets": {str(missing): None}}), raise_on_error=False
+        run_config(offline_data, models, {"data": {"chat_datasets": {str(missing): None}}}), raise_on_error=False
     )
-    assert f"config field chat_datasets: {missing} does not exist" in _failure(result)
+    assert f"config field data.chat_datasets: {missing} does not exist" in _failure(result)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
         json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
@@ -224,7 +218,7 @@ def test_bad_input_fails_at_once_naming_the_file_line_or_field(pipeline, offline
         + "\n"
     )
     result = env.materialize(
-        run_config(offline_data, models, {"chat_datasets": {str(bad): None}}), raise_on_error=False
+        run_config(offline_data, models, {"data": {"chat_datasets": {str(bad): None}}}), raise_on_error=False
     )
     assert f"{bad}:2: unknown role 'robot'" in _failure(result)
     llava = tmp_path / "llava.json"  # every bad record is named, not only the first; nothing is trained
@@ -240,7 +234,7 @@ def test_bad_input_fails_at_once_naming_the_file_line_or_field(pipeline, offline
         )
     )
     result = env.materialize(
-        run_config(offline_data, models, {"chat_datasets": {str(llava): None}}), raise_on_error=False
+        run_config(offline_data, models, {"data": {"chat_datasets": {str(llava): None}}}), raise_on_error=False
     )
     assert f"{llava}:1: image file {tmp_path / 'gone.png'} does not exist" in _failure(result)
     assert f"{llava}:2: 1 <image> marker(s) for 0 image(s): they must match" in _failure(result)
@@ -251,18 +245,18 @@ def test_bad_input_fails_at_once_naming_the_file_line_or_field(pipeline, offline
         + "\n"
     )
     result = env.materialize(
-        run_config(offline_data, models, {"chat_datasets": {str(long): None}}), raise_on_error=False
+        run_config(offline_data, models, {"data": {"chat_datasets": {str(long): None}}}), raise_on_error=False
     )
     assert re.search(rf"{re.escape(str(long))}:1: \d+ tokens .*more than max_length 256", _failure(result)), _failure(
         result
     )
     assert not [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]
-    result = env.materialize(run_config(offline_data, models, {"zero_stage": 1}), raise_on_error=False)
-    assert "field zero_stage: zero_stage 1 is not supported" in _failure(result)
+    result = env.materialize(run_config(offline_data, models, {"parallelism": {"zero_stage": 1}}), raise_on_error=False)
+    assert "field parallelism.zero_stage: zero_stage 1 is not supported" in _failure(result)
     result = env.materialize(
-        run_config(offline_data, models, {"decoder": str(tmp_path / "no-decoder")}), raise_on_error=False
+        run_config(offline_data, models, {"model": {"decoder": str(tmp_path / "no-decoder")}}), raise_on_error=False
     )
-    assert f"config field decoder: directory {tmp_path / 'no-decoder'} does not exist" in _failure(result)
+    assert f"config field model.decoder: directory {tmp_path / 'no-decoder'} does not exist" in _failure(result)
 
 
 def test_every_bad_chat_record_of_every_format_fails_the_asset_naming_it(pipeline, offline_data, models, tmp_path):
@@ -285,7 +279,7 @@ def test_every_bad_chat_record_of_every_format_fails_the_asset_naming_it(pipelin
         bad_columns(tmp_path),
     ):
         result = env.materialize(
-            run_config(offline_data, models, {"chat_datasets": {str(path): None}}), raise_on_error=False
+            run_config(offline_data, models, {"data": {"chat_datasets": {str(path): None}}}), raise_on_error=False
         )
         failure = _failure(result)
         assert "ChatDataError" in failure, failure

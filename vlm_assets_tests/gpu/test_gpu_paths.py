@@ -23,12 +23,14 @@ def test_gpt_on_nccl_in_bf16(strategy, tmp_path, offline_data, mlflow_uri):
     result = env.materialize(
         gpt_cpu.run_config(
             offline_data,
-            strategy=strategy,
-            num_nodes=1,
-            nproc_per_node=GPUS,
-            micro_batch_size=8 // GPUS if 8 % GPUS == 0 else 1,
-            global_batch_size=8,
-            checkpoint_every=15,
+            parallelism={
+                "strategy": strategy,
+                "num_nodes": 1,
+                "nproc_per_node": GPUS,
+                "micro_batch_size": 8 // GPUS if 8 % GPUS == 0 else 1,
+            },
+            optimizer={"global_batch_size": 8},
+            checkpoint={"every": 15},
         )
     )
     meta, checks = gpt_cpu.outcome(result)
@@ -43,7 +45,8 @@ def test_adapter_deepspeed_zero2_bf16(tmp_path, offline_data):
     """The CPU twin: test_adapter_assets (DDP on gloo, 2 processes). ``strategy: auto`` is ZeRO-2 on GPUs."""
     env = adapter_cpu.Env(tmp_path)
     config = adapter_cpu.run_config(
-        offline_data, adapter={"nproc_per_node": GPUS, "strategy": "auto", "micro_batch_size": 16 // GPUS}
+        offline_data,
+        adapter={"parallelism": {"nproc_per_node": GPUS, "strategy": "auto", "micro_batch_size": 16 // GPUS}},
     )
     result = env.materialize(config)
     assert result.success

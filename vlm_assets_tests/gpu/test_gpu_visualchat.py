@@ -16,10 +16,12 @@ def test_visualchat_deepspeed_bf16(stage, visualchat_inputs, tmp_path):
 
     config = visualchat_cpu.config(
         visualchat_inputs,
-        zero_stage=stage,
-        nproc_per_node=GPUS,
-        micro_batch_size=4 // GPUS if 4 % GPUS == 0 else 1,
-        global_batch_size=4 if 4 % GPUS == 0 else GPUS,
+        parallelism={
+            "zero_stage": stage,
+            "nproc_per_node": GPUS,
+            "micro_batch_size": 4 // GPUS if 4 % GPUS == 0 else 1,
+        },
+        optimizer={"global_batch_size": 4 if 4 % GPUS == 0 else GPUS},
     )
     result = visualchat_cpu.train(visualchat_inputs, tmp_path, config)
     visualchat_cpu.check_trained_and_exported(

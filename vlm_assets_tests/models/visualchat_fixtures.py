@@ -50,3 +50,16 @@ def tiny_clip(out_dir: Path, seed: int = 0) -> Path:
     ).save_pretrained(out_dir)
     CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(out_dir)
     return out_dir
+
+
+def tiny_model_section(clip: Path, decoder: Path, **fields) -> dict:
+    """The ``model`` section of a VisualChat config on a tiny CLIP and a tiny decoder (an mlp projection,
+    256 tokens a sample)."""
+    return {
+        "encoder_kind": "clip",
+        "encoder": str(clip),
+        "decoder": str(decoder),
+        "projection": "mlp",
+        "max_length": 256,
+        **fields,
+    }

@@ -217,9 +217,9 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
                 "gpt_checkpoint": {
                     "config": {
                         "seed": 11,
-                        "max_steps": 10,
-                        "val_check_interval": 10,
-                        "checkpoint_every": 10,
+                        "optimizer": {"max_steps": 10},
+                        "data": {"val_check_interval": 10},
+                        "checkpoint": {"every": 10},
                         "log_every": 5,
                     }
                 }

@@ -44,16 +44,11 @@ def _run(inputs, name: str, seed: int, monkeypatch) -> tuple[list[dict], dict, d
     root, manifests, backbone = inputs
     monkeypatch.setenv("MASTER_PORT", str(29500 + seed))  # one process: Lightning's DDP on gloo
     config = AdapterTrainConfig(
-        backbone=str(backbone),
-        image_size=56,
-        epochs=2,
-        lr=5e-3,
-        micro_batch_size=8,
-        global_batch_size=16,
-        num_train=64,
-        num_validation=32,
+        model={"backbone": str(backbone)},
+        optimizer={"epochs": 2, "lr": 5e-3, "global_batch_size": 16},
+        data={"image_size": 56, "num_train": 64, "num_validation": 32},
+        parallelism={"strategy": "ddp", "micro_batch_size": 8},
         seed=seed,
-        strategy="ddp",
         log_every=4,
     )
     out = root / name

@@ -34,28 +34,30 @@ def test_weight_decay_only_on_matrices_and_embeddings():
 
 
 def test_accumulation_from_global_batch_and_world_size():
-    assert config(micro_batch_size=8, global_batch_size=256).accumulation(4) == 8
-    assert config(micro_batch_size=8, global_batch_size=256).accumulation(32) == 1
+    batch = {"parallelism": {"micro_batch_size": 8}, "optimizer": {"global_batch_size": 256}}
+    assert config(**batch).accumulation(4) == 8 and config(**batch).accumulation(32) == 1
     with pytest.raises(
-        ValueError, match="global_batch_size 104 is not a multiple of micro_batch_size 8 x world size 2"
+        ValueError,
+        match=r"optimizer\.global_batch_size 104 is not a multiple of parallelism\.micro_batch_size 8 x world size 2",
     ):
-        config(micro_batch_size=8, global_batch_size=104).accumulation(2)
+        config(parallelism={"micro_batch_size": 8}, optimizer={"global_batch_size": 104}).accumulation(2)
 
 
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ({"strategy": "fsdp1"}, "strategy"),
-        ({"preset": "7B"}, "preset"),
-        ({"max_steps": 0}, "max_steps"),
-        ({"min_lr_ratio": 2.0}, "min_lr_ratio"),
-        ({"warmup_steps": 50, "max_steps": 10}, "warmup_steps 50 exceeds"),
+        ({"parallelism": {"strategy": "fsdp1"}}, r"parallelism\.strategy"),
+        ({"model": {"preset": "7B"}}, r"model\.preset"),
+        ({"optimizer": {"max_steps": 0}}, r"optimizer\.max_steps"),
+        ({"optimizer": {"min_lr_ratio": 2.0}}, r"optimizer\.min_lr_ratio"),
+        ({"optimizer": {"warmup_steps": 50, "max_steps": 10}}, "warmup_steps 50 exceeds"),
         (
-            {"micro_batch_size": 8, "global_batch_size": 100, "nproc_per_node": 2},
+            {"parallelism": {"micro_batch_size": 8, "nproc_per_node": 2}, "optimizer": {"global_batch_size": 100}},
             "global_batch_size 100 is not a multiple",
         ),
         ({"timeout_s": 0}, "timeout_s"),
-        ({"learning_rate": 1.0}, "learning_rate"),
+        ({"optimizer": {"learning_rate": 1.0}}, r"optimizer\.learning_rate"),
+        ({"lr": 1.0}, "lr"),  # a section's field given at the top
     ],
 )
 def test_bad_pretrain_config_names_the_field(bad, message):

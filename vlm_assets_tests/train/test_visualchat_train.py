@@ -19,10 +19,10 @@ from vlm_assets.data import visualchat_data as vd
 from vlm_assets.data.chat_formats import read_chat_dataset
 from vlm_assets.launch import run_local
 from vlm_assets.models.visualchat import VisualChatModel
-from vlm_assets.train.run_config import RunPaths, write_run_file
+from vlm_assets.train.run_config import RunPaths, overlay, write_run_file
 from vlm_assets.train.visualchat_config import VisualChatTrainConfig
 from vlm_assets_tests.conftest import training_workers
-from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
+from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder, tiny_model_section
 
 CIFAR = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -72,26 +72,17 @@ def make_inputs(root: Path, offline_data: Path) -> Path:
 
 
 def config(inputs: Path, **overrides) -> VisualChatTrainConfig:
-    settings = dict(
-        encoder_kind="clip",
-        encoder=str(inputs / "clip"),
-        decoder=str(inputs / "llama"),
-        projection="mlp",
-        max_steps=6,
-        pair_count=12,
-        chat_datasets={str(inputs / "cifar.jsonl"): 10},
-        micro_batch_size=2,
-        global_batch_size=4,
-        nproc_per_node=2,
-        checkpoint_every=3,
-        log_every=3,
-        lr=3e-3,
-        warmup_steps=2,
-        max_length=256,
-        timeout_s=600,
-        lora_dropout=0.1,  # random masks: a resumed run must draw the same ones (StepSeed)
-    )
-    return VisualChatTrainConfig(**{**settings, **overrides})
+    settings = {
+        # LoRA dropout's random masks: a resumed run must draw the same ones (StepSeed)
+        "model": tiny_model_section(inputs / "clip", inputs / "llama", lora_dropout=0.1),
+        "optimizer": {"global_batch_size": 4, "lr": 3e-3, "warmup_steps": 2, "max_steps": 6},
+        "data": {"pair_count": 12, "chat_datasets": {str(inputs / "cifar.jsonl"): 10}},
+        "checkpoint": {"every": 3},
+        "parallelism": {"nproc_per_node": 2, "micro_batch_size": 2},
+        "log_every": 3,
+        "timeout_s": 600,
+    }
+    return VisualChatTrainConfig(**overlay(settings, overrides))
 
 
 def run_file(inputs: Path, work: Path, cfg: VisualChatTrainConfig) -> Path:
@@ -157,7 +148,13 @@ def test_zero2_two_processes_train_merge_export_and_answer(zero2, inputs):
 @pytest.mark.slow
 def test_zero3_with_packing_and_checkpointing_trains_merges_from_partitions_and_answers(inputs, tmp_path):
     result = train(
-        inputs, tmp_path, config(inputs, zero_stage=3, packing=True, pack_tokens=512, gradient_checkpointing=True)
+        inputs,
+        tmp_path,
+        config(
+            inputs,
+            parallelism={"zero_stage": 3, "gradient_checkpointing": True},
+            data={"packing": True, "pack_tokens": 512},
+        ),
     )
     check_trained_and_exported(result, tmp_path / "out", inputs)
 
@@ -252,7 +249,7 @@ def test_more_tokens_than_max_length_fails_before_training(tmp_path, inputs):
         GOOD,
         {"messages": [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]},
     )
-    cfg = config(inputs, chat_datasets={str(path): None}, max_length=128)
+    cfg = config(inputs, data={"chat_datasets": {str(path): None}}, model={"max_length": 128})
     from vlm_assets.train.visualchat_train import build_model, build_samples
 
     with pytest.raises(ValueError, match=f"{path}:2: .* tokens .*more than max_length 128"):
@@ -264,9 +261,9 @@ def test_a_zero_stage_other_than_2_or_3_is_refused_at_config_load(tmp_path, inpu
 
     run = run_file(inputs, tmp_path, config(inputs))
     data = json.loads(run.read_text())
-    data["config"]["zero_stage"] = 1
+    data["config"]["parallelism"]["zero_stage"] = 1
     run.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=f"{run}: field zero_stage: zero_stage 1 is not supported"):
+    with pytest.raises(ValueError, match=f"{run}: field parallelism.zero_stage: zero_stage 1 is not supported"):
         read_run_file(run, VisualChatTrainConfig)
 
 
@@ -373,7 +370,7 @@ def test_the_held_out_evaluation_leaves_every_module_in_its_mode(inputs):
     models (bench/soak.py: a GPT-2 decoder's dropout on after a fresh start only)."""
     from vlm_assets.train.visualchat_train import build_model, build_samples, evaluate
 
-    cfg = config(inputs, chat_datasets={})
+    cfg = config(inputs, data={"chat_datasets": {}})
     model = build_model(cfg)
     _, samples = build_samples(cfg, model, inputs / "manifests")
     model.decoder.eval()  # as from_pretrained leaves it
@@ -459,7 +456,7 @@ def test_a_sample_longer_than_the_decoders_positions_fails_naming_them(tmp_path,
         GOOD,
         {"messages": [{"role": "user", "content": "word " * 1100}, {"role": "assistant", "content": "ok"}]},
     )
-    cfg = config(inputs, decoder=str(gpt2), chat_datasets={str(path): None}, max_length=4096)
+    cfg = config(inputs, model={"decoder": str(gpt2), "max_length": 4096}, data={"chat_datasets": {str(path): None}})
     from vlm_assets.train.visualchat_train import build_model, build_samples
 
     with pytest.raises(

@@ -10,7 +10,7 @@ import dagster as dg
 from vlm_assets.defs.platform.checks import Judged
 from vlm_assets.defs.platform.launcher import numbers
 from vlm_assets.defs.platform.memo import Built
-from vlm_assets.defs.platform.training import Launch, TrainingConfig, training_asset
+from vlm_assets.defs.platform.training import Launch, TrainingConfig, dagster_config, training_asset
 from vlm_assets.paths import require_local
 from vlm_assets.storage import ArtifactStore
 from vlm_assets.train.adapter_config import AdapterTrainConfig
@@ -23,7 +23,7 @@ class BackboneAsset(enum.Enum):
     visualchat_model = "visualchat_model"  # its merged model/ directory
 
 
-class OcclusionAdapterConfig(AdapterTrainConfig, TrainingConfig):
+class OcclusionAdapterConfig(dagster_config(AdapterTrainConfig), TrainingConfig):
     """``AdapterTrainConfig`` as the asset's config: the same fields, constraints and defaults, the
     resources apart, and which of the graph's models is the backbone (if one is)."""
 
@@ -35,15 +35,15 @@ class OcclusionAdapterConfig(AdapterTrainConfig, TrainingConfig):
 
     def check_values(self) -> None:
         if self.backbone_asset is None:
-            require_local(self.backbone, "config field backbone")
+            require_local(self.model.backbone, "config field model.backbone")
 
 
 def preflight(config: OcclusionAdapterConfig, manifests: Path) -> None:
     """Bad rows fail the step at once (no retries), naming the manifest line."""
     from vlm_assets.data.occlusion_dataset import OcclusionSamples
 
-    for split, limit in (("train", config.num_train), ("validation", config.num_validation)):
-        OcclusionSamples(manifests, split, config.image_size, limit).check_images()
+    for split, limit in (("train", config.data.num_train), ("validation", config.data.num_validation)):
+        OcclusionSamples(manifests, split, config.data.image_size, limit).check_images()
 
 
 def adapter_training_complete(judged: Judged) -> dg.AssetCheckResult:
@@ -90,12 +90,12 @@ def adapter_inputs(launch: Launch) -> dict[str, str]:
 
     config, manifests = launch.config, launch.local("occlusion_manifests")
     preflight(config, manifests)
-    backbone = str(launch.local("visualchat_model") / "model") if config.backbone_asset else config.backbone
+    backbone = str(launch.local("visualchat_model") / "model") if config.backbone_asset else config.model.backbone
     check_prompt_lengths(
         backbone,
-        OcclusionSamples(manifests, "train", config.image_size, None).images.rows,
-        config.image_size,
-        config.max_length,
+        OcclusionSamples(manifests, "train", config.data.image_size, None).images.rows,
+        config.data.image_size,
+        config.data.max_length,
         str(manifests / "train.jsonl"),
     )
     return {"occlusion_manifests": str(manifests), "backbone": backbone}
@@ -103,7 +103,7 @@ def adapter_inputs(launch: Launch) -> dict[str, str]:
 
 def partial_on_failure(launch: Launch, failure: dg.Failure) -> dict:
     """On the last try, when the config asks for it, the last recovery checkpoint as a partial adapter."""
-    if not (launch.config.materialize_partial_on_failure and launch.last_try):
+    if not (launch.config.checkpoint.materialize_partial_on_failure and launch.last_try):
         raise failure
     launch.context.log.warning(
         f"training failed for good; materializing the last checkpoint as partial: {failure.description}"
@@ -120,10 +120,10 @@ def adapter_report(launch: Launch, values: dict) -> Built:
         json.dumps(
             {
                 "backbone": backbone,
-                "image_size": config.image_size,
-                "max_length": config.max_length,
+                "image_size": config.data.image_size,
+                "max_length": config.data.max_length,
                 "prompt": prompt,
-                "adapter_steps": config.adapter_steps,
+                "adapter_steps": config.model.adapter_steps,
             }
         )
     )

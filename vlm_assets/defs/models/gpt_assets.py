@@ -18,7 +18,7 @@ from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged
 from vlm_assets.defs.platform.launcher import numbers
 from vlm_assets.defs.platform.memo import Built
 from vlm_assets.defs.platform.profiles import ProfileDefaults
-from vlm_assets.defs.platform.training import Launch, TrainingConfig, training_asset
+from vlm_assets.defs.platform.training import Launch, TrainingConfig, dagster_config, training_asset
 from vlm_assets.paths import runs_dir
 from vlm_assets.storage.scratch import held_dir
 from vlm_assets.train.gpt_config import PretrainConfig
@@ -35,7 +35,7 @@ class ValLossCheckConfig(ProfileDefaults, dg.Config):
     )
 
 
-class GPTCheckpointConfig(PretrainConfig, TrainingConfig):
+class GPTCheckpointConfig(dagster_config(PretrainConfig), TrainingConfig):
     """``PretrainConfig`` as the asset's config: the same fields, constraints and defaults, and the
     sections only the asset's step reads (checks, resources)."""
 
@@ -95,7 +95,8 @@ def report(launch: Launch, values: dict) -> Built:
     png = loss_curve_png(
         history,
         math.log(vocab),
-        f"GPT {config.preset}, {config.strategy}, {config.num_nodes}x{config.nproc_per_node} processes",
+        f"GPT {config.model.preset}, {config.parallelism.strategy}, "
+        f"{config.parallelism.num_nodes}x{config.parallelism.nproc_per_node} processes",
     )
     (staging / "loss_curve.png").write_bytes(png)
     return Built(

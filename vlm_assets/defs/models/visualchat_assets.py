@@ -20,7 +20,7 @@ from vlm_assets.defs.platform.memo import AssetConfig, Built
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.registration import registered_model_asset
 from vlm_assets.defs.platform.tracking import TrackedRun
-from vlm_assets.defs.platform.training import Launch, TrainingConfig, training_asset
+from vlm_assets.defs.platform.training import Launch, TrainingConfig, dagster_config, training_asset
 from vlm_assets.models import visualchat_card
 from vlm_assets.models.registry import serving_requirements
 from vlm_assets.paths import require_local
@@ -42,7 +42,7 @@ class DecoderAsset(enum.Enum):
     gpt_checkpoint = "gpt_checkpoint"  # its Hugging Face export, hf/
 
 
-class VisualChatAssetConfig(VisualChatTrainConfig, TrainingConfig):
+class VisualChatAssetConfig(dagster_config(VisualChatTrainConfig), TrainingConfig):
     """``VisualChatTrainConfig`` as the asset's config: the same fields, constraints and defaults, and the
     fields only the asset's step reads (checks, resources, which of the graph's models is the decoder)."""
 
@@ -55,14 +55,20 @@ class VisualChatAssetConfig(VisualChatTrainConfig, TrainingConfig):
 
     def check_values(self) -> None:
         if self.decoder_asset is None:
-            require_local(self.decoder, "config field decoder")
-        if self.encoder is not None:  # efficientnet_lite0 takes a weights file, the others a directory
-            require_local(self.encoder, "config field encoder", directory=self.encoder_kind != "efficientnet_lite0")
-        for path in self.chat_datasets:
+            require_local(self.model.decoder, "config field model.decoder")
+        if self.model.encoder is not None:  # efficientnet_lite0 takes a weights file, the others a directory
+            require_local(
+                self.model.encoder,
+                "config field model.encoder",
+                directory=self.model.encoder_kind != "efficientnet_lite0",
+            )
+        for path in self.data.chat_datasets:
             if not Path(path).expanduser().exists():
-                raise FileNotFoundError(f"config field chat_datasets: {path} does not exist")
-        if self.image_folder is not None and not Path(self.image_folder).expanduser().is_dir():
-            raise FileNotFoundError(f"config field image_folder: directory {self.image_folder} does not exist")
+                raise FileNotFoundError(f"config field data.chat_datasets: {path} does not exist")
+        if self.data.image_folder is not None and not Path(self.data.image_folder).expanduser().is_dir():
+            raise FileNotFoundError(
+                f"config field data.image_folder: directory {self.data.image_folder} does not exist"
+            )
 
 
 def eval_loss_beats_untrained(judged: Judged) -> dg.AssetCheckResult:
@@ -111,8 +117,8 @@ def visualchat_inputs(launch: Launch) -> dict[str, str]:
     """The manifests and the decoder (the in-graph GPT's export when the config names it); bad chat
     records fail here (FILE:N), never retried."""
     config = launch.config
-    config.read_chat_datasets(sorted(config.chat_datasets))
-    decoder = str(launch.local("gpt_checkpoint") / "hf") if config.decoder_asset else config.decoder
+    config.data.read_chat_datasets(sorted(config.data.chat_datasets), config.model.max_images)
+    decoder = str(launch.local("gpt_checkpoint") / "hf") if config.decoder_asset else config.model.decoder
     return {"occlusion_manifests": str(launch.local("occlusion_manifests")), "decoder": decoder}
 
 
@@ -155,7 +161,8 @@ def report_markdown(staging: Path, run: TrackedRun, config: VisualChatAssetConfi
     png = loss_curve_png(
         {"train": history["train"], "val": held_out},
         history["baseline_eval_loss"],
-        f"VisualChat: {config.encoder_kind} + {config.projection} + LoRA decoder, ZeRO-{config.zero_stage}",
+        f"VisualChat: {config.model.encoder_kind} + {config.model.projection} + LoRA decoder, "
+        f"ZeRO-{config.parallelism.zero_stage}",
         baseline_label="held-out loss untrained",
     )
     (staging / "loss_curve.png").write_bytes(png)

@@ -47,18 +47,11 @@ def _demo(data: Path) -> dict[str, dict[str, Any]]:
         },
         # Two nodes of one process each (two torchrun agents on loopback), as a cluster would run it.
         "gpt_checkpoint": {
-            "preset": "tiny",
-            "strategy": "ddp",
-            "num_nodes": 2,
-            "nproc_per_node": 1,
-            "micro_batch_size": 4,
-            "global_batch_size": 8,
-            "lr": 3e-3,
-            "warmup_steps": 5,
-            "max_steps": 40,
-            "val_check_interval": 20,
-            "val_batches": 8,
-            "checkpoint_every": 20,
+            "model": {"preset": "tiny"},
+            "optimizer": {"global_batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "max_steps": 40},
+            "data": {"val_check_interval": 20, "val_batches": 8},
+            "checkpoint": {"every": 20},
+            "parallelism": {"strategy": "ddp", "num_nodes": 2, "nproc_per_node": 1, "micro_batch_size": 4},
             "log_every": 10,
         },
         # VisualChat on the graph's own GPT: the pretrained EfficientNet-Lite0 (frozen, its features cached),
@@ -68,27 +61,26 @@ def _demo(data: Path) -> dict[str, dict[str, Any]]:
         # CIFAR-10 photos (24 conversations; README "Chat datasets"). 400 steps: at 300 the demo's own seed
         # stopped short (VQA 53 %, the adapter's gain +2.8 [-0.8, +6.2] pts: README "Measured").
         "visualchat_model": {
-            "chat_datasets": {str(EXAMPLES / "cifar10_llava.json"): None},
-            "image_folder": str(data / "cifar10-samples"),
             "decoder_asset": "gpt_checkpoint",
-            "encoder_kind": "efficientnet_lite0",
-            "encoder": None,  # the packaged ImageNet weights
-            "projection": "mlp",
-            "freeze_modules": ["encoder"],
-            "cache_image_features": True,
-            "max_length": 256,
-            "vqa_count": 800,
-            "pair_count": 100,
-            "phrasing_count": 400,
-            "eval_fraction": 0.05,
-            "micro_batch_size": 8,
-            "global_batch_size": 16,
-            "nproc_per_node": 2,
-            "lr": 3e-3,
-            "warmup_steps": 10,
-            "max_steps": 400,
-            "eval_images": 100,
-            "checkpoint_every": 200,
+            "model": {
+                "encoder_kind": "efficientnet_lite0",
+                "encoder": None,  # the packaged ImageNet weights
+                "projection": "mlp",
+                "freeze_modules": ["encoder"],
+                "max_length": 256,
+            },
+            "optimizer": {"global_batch_size": 16, "lr": 3e-3, "warmup_steps": 10, "max_steps": 400},
+            "data": {
+                "chat_datasets": {str(EXAMPLES / "cifar10_llava.json"): None},
+                "image_folder": str(data / "cifar10-samples"),
+                "vqa_count": 800,
+                "pair_count": 100,
+                "phrasing_count": 400,
+                "eval_fraction": 0.05,
+                "eval_images": 100,
+            },
+            "checkpoint": {"every": 200},
+            "parallelism": {"nproc_per_node": 2, "micro_batch_size": 8, "cache_image_features": True},
             "log_every": 50,
         },
         "visualchat_model.checks": {"min_exact_match": 0.3},
@@ -98,18 +90,17 @@ def _demo(data: Path) -> dict[str, dict[str, Any]]:
         # "Why the adapter helps"). The frozen model judges the adapter in eval_report.
         "occlusion_adapter": {
             "backbone_asset": "visualchat_model",
-            "image_size": 28,
-            "adapter_steps": 6,
-            "epochs": 10,
-            "reconstruction_warmup_epochs": 10,
-            "reconstruction_loss_weight": 1.0,
-            "reconstruction_outside_box": True,
-            "lr": 1e-2,
-            "micro_batch_size": 8,
-            "global_batch_size": 16,
-            "nproc_per_node": 2,
-            "num_train": None,
-            "num_validation": 200,
+            "model": {"adapter_steps": 6},
+            "optimizer": {
+                "global_batch_size": 16,
+                "lr": 1e-2,
+                "epochs": 10,
+                "reconstruction_warmup_epochs": 10,
+                "reconstruction_loss_weight": 1.0,
+                "reconstruction_outside_box": True,
+            },
+            "data": {"image_size": 28, "num_train": None, "num_validation": 200},
+            "parallelism": {"nproc_per_node": 2, "micro_batch_size": 8},
         },
         "eval_report": {"num_samples": 500, "batch_size": 50, "num_cards": 24},
         # Changing a threshold judges the same report again, never rebuilds it.
@@ -118,18 +109,63 @@ def _demo(data: Path) -> dict[str, dict[str, Any]]:
 
 
 # Values a profile sets for its own data source hold only while the asset reads that source: a user who
-# points the asset at another one (another ``source`` or ``source_uri``; a ``decoder`` or ``backbone`` of
-# their own) gets the fields' own defaults for them (every image of their folder, not the demo's 2,000
-# Fashion-MNIST ones; their decoder, not the graph's GPT). Dagster hands a config its schema's defaults
-# as if given, so a value equal to the profile's is taken as the profile's.
+# points the asset at another one (another ``source`` or ``source_uri``; a ``model.decoder`` or
+# ``model.backbone`` of their own) gets the fields' own defaults for them (every image of their folder,
+# not the demo's 2,000 Fashion-MNIST ones; their decoder, not the graph's GPT). Dagster hands a config its
+# schema's defaults as if given, so a value equal to the profile's is taken as the profile's. Fields are
+# dotted paths into the config's sections.
 SOURCE_TIED = {
     "occlusion_manifests": (("source", "source_uri"), ("num_train", "num_validation")),
-    "visualchat_model": (("decoder",), ("decoder_asset",)),
-    "occlusion_adapter": (("backbone",), ("backbone_asset",)),
+    "visualchat_model": (("model.decoder",), ("decoder_asset",)),
+    "occlusion_adapter": (("model.backbone",), ("backbone_asset",)),
 }
 _CLAIMED: set[str] = set()
 # class -> (the profile's source values, {tied field: (the profile's value, the field's own default)})
 _TIED: dict[type, tuple[dict[str, Any], dict[str, tuple[Any, Any]]]] = {}
+_MISSING = object()
+
+
+def _get(data: Any, path: str, default: Any = _MISSING) -> Any:
+    """The value at a dotted path of nested dicts, or ``default``."""
+    for part in path.split("."):
+        if isinstance(data, pydantic.BaseModel):  # a section Dagster built already
+            data = data.model_dump()
+        if not isinstance(data, dict) or part not in data:
+            return default
+        data = data[part]
+    return data
+
+
+def _field_default(cls: type[pydantic.BaseModel], path: str) -> Any:
+    *sections, field = path.split(".")
+    for name in sections:
+        cls = cls.model_fields[name].annotation
+    return cls.model_fields[field].default
+
+
+def _patch_defaults(
+    cls: type[pydantic.BaseModel], values: dict[str, Any], where: str, at: tuple[str, ...] = ()
+) -> None:
+    """Make ``values`` the field defaults of ``cls``; a dict for a section (a model-typed field) patches
+    that section's own class (each asset's sections are its own: ``training.dagster_config``), and is
+    validated there: Dagster drops a section's values equal to its defaults before pydantic sees them."""
+    for field, value in values.items():
+        if field not in cls.model_fields:
+            raise ValueError(f"profile {profile()!r}: {where} has no field {'.'.join((*at, field))!r}")
+        annotation = cls.model_fields[field].annotation
+        if isinstance(value, dict) and isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+            _patch_defaults(annotation, value, where, (*at, field))
+            try:
+                annotation.model_validate(value)
+            except pydantic.ValidationError as err:
+                from vlm_assets.train.run_config import describe_validation_error
+
+                raise ValueError(
+                    describe_validation_error(err, f"profile {profile()!r}: config of {where}", (*at, field))
+                ) from None
+        else:
+            cls.model_fields[field].default = value
+    cls.model_rebuild(force=True)
 
 
 class ProfileDefaults(pydantic.BaseModel):
@@ -152,14 +188,10 @@ class ProfileDefaults(pydantic.BaseModel):
 
         sources, tied = SOURCE_TIED.get(key, ((), ()))
         own = {field: cls.model_fields[field].default for field in tied if field in overrides}
-        for field, value in overrides.items():
-            if field not in cls.model_fields:
-                raise ValueError(f"profile {profile()!r}: {key} ({cls.__name__}) has no field {field!r}")
-            cls.model_fields[field].default = value
-        cls.model_rebuild(force=True)
+        _patch_defaults(cls, overrides, f"{key} ({cls.__name__})")
         if own:
             _TIED[cls] = (
-                {field: cls.model_fields[field].default for field in sources},
+                {path: _field_default(cls, path) for path in sources},
                 {field: (overrides[field], default) for field, default in own.items()},
             )
         try:  # defaults are not validated by pydantic: validate the profile's once, here
@@ -172,9 +204,7 @@ class ProfileDefaults(pydantic.BaseModel):
             raise ValueError(f"profile {profile()!r}: {key}: {err.description}") from None
         # An enum's default as its member, not the profile's string (which pydantic warns of at every dump).
         if enums := {f: v for f in overrides if isinstance(v := getattr(validated, f), enum.Enum)}:
-            for field, value in enums.items():
-                cls.model_fields[field].default = value
-            cls.model_rebuild(force=True)
+            _patch_defaults(cls, enums, key)
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -182,7 +212,7 @@ class ProfileDefaults(pydantic.BaseModel):
         if (tied := _TIED.get(cls)) is None or not isinstance(data, dict):
             return data
         sources, values = tied
-        if all(data.get(field, value) == value for field, value in sources.items()):
+        if all(_get(data, path, value) == value for path, value in sources.items()):
             return data
         return {**data, **{f: own for f, (profiled, own) in values.items() if data.get(f, profiled) == profiled}}
 

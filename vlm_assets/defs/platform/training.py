@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import pydantic
 from pydantic import Field
 
 from vlm_assets.defs.platform.checks import Check, check_specs
@@ -24,7 +25,7 @@ from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.launch.spec import QUANTITY
 from vlm_assets.storage import ArtifactRef, ArtifactStore
-from vlm_assets.train.run_config import step_field
+from vlm_assets.train.run_config import RunConfig, Settings, step_field
 
 # Dagster's retry of a training step (the one layer that retries: README "one retry rule"). A retry
 # resumes from the newest intact checkpoint of the same key.
@@ -59,6 +60,27 @@ class PodResources(dg.Config):
             "gpu_type": self.gpu_type,
         }
         return {k: v for k, v in asked.items() if v is not None}
+
+
+def dagster_config(config: type[RunConfig]) -> type:
+    """A trainer's config as Dagster config: the same fields, constraints and defaults, each section a
+    ``dg.Config`` twin of the engine's section (Dagster nests only ``Config`` classes in its schema, and
+    the engine may not import dagster). Every call makes its own twins, so a profile's defaults patched
+    into one asset's sections stay that asset's."""
+
+    def twin(model: type[Settings]) -> type:
+        sections = {
+            name: (
+                section := twin(section_type),
+                Field(default_factory=section, description=model.model_fields[name].description),
+            )
+            for name, section_type in model.sections().items()
+        }
+        return pydantic.create_model(
+            model.__name__, __base__=(model, dg.Config), __module__=model.__module__, **sections
+        )
+
+    return twin(config)
 
 
 class TrainingConfig(AssetConfig):
