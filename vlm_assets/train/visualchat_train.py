@@ -7,7 +7,7 @@ then LoRA merged and the whole model exported. One process per device, started b
 and ``decoder`` when the asset resolved the in-graph GPT). bf16 on GPUs (NCCL), fp32 on CPU (gloo). The
 data order is ``DistributedSampler``'s (seeded, reshuffled per epoch; torchdata's resumable one, its epoch
 kept too) through torchdata's ``StatefulDataLoader``, whose position Lightning saves in every checkpoint.
-Every ``checkpoint_every`` steps the checkpoint (trained weights, optimizer, scheduler, loop and loader
+Every ``checkpoint.every`` steps the checkpoint (trained weights, optimizer, scheduler, loop and loader
 state, history) is committed to the artifact store; a relaunch resumes from the newest intact one at the
 same step and data position, so the loss curve continues exactly (dropout's masks are seeded per step:
 ``StepSeed``). At the end rank 0 gathers the weights (from the ZeRO-3 partitions too), merges LoRA into

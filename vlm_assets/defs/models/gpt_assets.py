@@ -114,7 +114,7 @@ def report(launch: Launch, values: dict) -> Built:
 gpt_checkpoint = training_asset(
     "gpt_checkpoint",
     description="""A GPT-2-style decoder pretrained from scratch on ``token_shards`` with Lightning (DDP or
-    FSDP2), as a distributed job on ``num_nodes`` x ``nproc_per_node`` processes. Contains
+    FSDP2), as a distributed job on ``parallelism.num_nodes`` x ``nproc_per_node`` processes. Contains
     ``checkpoint.ckpt`` (consolidated Lightning checkpoint), ``hf/`` (a ``GPT2LMHeadModel`` export with
     tokenizer, loadable with transformers alone), ``history.json`` and ``loss_curve.png``. A retry resumes
     from the newest intact checkpoint of the same inputs.""",

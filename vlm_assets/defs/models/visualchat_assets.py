@@ -133,7 +133,7 @@ def visualchat_report(launch: Launch, values: dict) -> Built:
 visualchat_model = training_asset(
     "visualchat_model",
     description="""A vision encoder + projection + causal-LM decoder with LoRA (DeepSpeed-VisualChat's
-    recipe), trained with Lightning's DeepSpeedStrategy (ZeRO-2/3) on ``nproc_per_node`` x ``num_nodes``
+    recipe), trained with Lightning's DeepSpeedStrategy (ZeRO-2/3) on ``parallelism.nproc_per_node`` x ``num_nodes``
     processes; LoRA merged. Contains ``model/`` (``VisualChatModel.from_pretrained``; ``python -m
     vlm_assets.chat``), ``history.json``, ``eval.json`` (VQA exact match of the merged model on held-out
     images, a two-image conversation) and ``loss_curve.png``. A retry resumes from the newest checkpoint
