@@ -121,7 +121,6 @@ class Optimizer(Settings):
     )
 
 
-SECTIONS = ("model", "optimizer", "data", "checkpoint", "parallelism")
 ModelT = TypeVar("ModelT", bound=Settings)
 OptimizerT = TypeVar("OptimizerT", bound=Optimizer)
 DataT = TypeVar("DataT", bound=Settings)
@@ -149,7 +148,7 @@ class RunConfig(Settings, Generic[ModelT, OptimizerT, DataT, CheckpointT, Parall
     @classmethod
     def _sections_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {**{name: {} for name in SECTIONS if name not in data}, **data}
+            return {**{name: {} for name in cls.sections() if name not in data}, **data}
         return data
 
     @model_validator(mode="after")

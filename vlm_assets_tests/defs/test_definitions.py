@@ -10,6 +10,7 @@ import dagster as dg
 import pytest
 
 from vlm_assets.defs.platform.environment import profile, resources_for, schedule_cron, schedule_job
+from vlm_assets.train.gpt_config import PretrainConfig
 
 
 def test_definitions_snapshot():
@@ -126,9 +127,6 @@ print(json.dumps({{"main": ops(main), "ui": ops(asset_job)}}))
     )
 
 
-SECTIONS = {"model", "optimizer", "data", "checkpoint", "parallelism"}
-
-
 @pytest.mark.parametrize("name", ["demo", "seed"])
 def test_ui_materialize_and_main_job_use_the_active_profile(name):
     from vlm_assets.defs.platform.profiles import profile_defaults
@@ -148,7 +146,7 @@ def test_ui_materialize_and_main_job_use_the_active_profile(name):
         asset, _, section = key.partition(".")
         config = ops[asset][section] if section else ops[asset]
         for field, value in values.items():  # a config section's values: each of its fields
-            for name, one in value.items() if field in SECTIONS else [(None, value)]:
+            for name, one in value.items() if field in PretrainConfig.sections() else [(None, value)]:
                 assert (config[field][name] if name else config[field]) == one, (key, field, name)
 
 
