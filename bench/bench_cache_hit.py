@@ -1,14 +1,15 @@
 """What a user waits for: `dagster asset materialize --select occlusion_manifests`, first build and cache hit.
 
-    python bench/bench_cache_hit.py [--runs 3]
+    python bench/bench_cache_hit.py [--runs 3] [--executor default multiprocess]
 
-The command a user types (Dagster's default multiprocess executor: one process for the run, one per
-step), on every image of Fashion-MNIST as its official idx files hold them (60,000 train + 10,000
-test: ``num_train`` / ``num_validation`` unset), in a fresh Dagster home and artifact store. Each run:
-the first build, then the same command again (a cache hit). Beside the command's wall time, the step's
+The command a user types, on every image of Fashion-MNIST as its official idx files hold them (60,000
+train + 10,000 test: ``num_train`` / ``num_validation`` unset), in a fresh Dagster home and artifact
+store, under the location's default executor (the step in the run's process) and under Dagster's
+multiprocess one (a process per step: ``execution: {config: {multiprocess: {}}}``). Each run: the
+first build, then the same command again (a cache hit). Beside the command's wall time, the step's
 own time (its ``seconds`` metadata), so the table shows what the command adds around the work.
-Every check runs in the asset's step (``check_specs``), so a hit is one step process; with the
-checks as ``@asset_check`` steps it was five (issue 21, on ``ad4bfc9``: 30.9 s first build, 20.6 s hit).
+Every check runs in the asset's step (``check_specs``); with the checks as ``@asset_check`` steps of
+their own it was five step processes (issue 21, on ``ad4bfc9``: 30.9 s first build, 20.6 s hit).
 """
 
 import argparse
@@ -26,12 +27,13 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = {"ops": {"occlusion_manifests": {"config": {"num_train": None, "num_validation": None}}}}
 
 
-def materialize(env: dict[str, str]) -> tuple[float, float, int]:
+def materialize(env: dict[str, str], executor: str) -> tuple[float, float, int]:
     """Wall seconds of the command, the step's own seconds, and how many checks passed."""
+    config = {**CONFIG, "execution": {"config": {executor: {}}}} if executor != "default" else CONFIG
     started = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "vlm_assets.definitions"]
-        + ["--select", "occlusion_manifests", "--config-json", json.dumps(CONFIG)],
+        + ["--select", "occlusion_manifests", "--config-json", json.dumps(config)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -47,26 +49,31 @@ def materialize(env: dict[str, str]) -> tuple[float, float, int]:
     return wall, float(value) / (1000 if unit == "ms" else 1), passed
 
 
+def fresh_home(home: Path) -> dict[str, str]:
+    (home / "dagster").mkdir()
+    (home / "dagster" / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
+    env = {**os.environ, "VLM_ASSETS_HOME": str(home / "home"), "DAGSTER_HOME": str(home / "dagster")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return {**env, "VLM_ASSETS_PROFILE": "demo"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--executor", nargs="+", default=["default", "multiprocess"], choices=["default", "multiprocess"]
+    )
     args = parser.parse_args()
-    rows: dict[str, list[tuple[float, float, int]]] = {"first build": [], "cache hit": []}
+    rows: dict[str, list[tuple[float, float, int]]] = {
+        f"{what} ({executor})": [] for executor in args.executor for what in ("first build", "cache hit")
+    }
     for run in range(args.runs):
-        with tempfile.TemporaryDirectory() as tmp:
-            home = Path(tmp)
-            (home / "dagster").mkdir()
-            (home / "dagster" / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
-            env = {
-                **os.environ,
-                "VLM_ASSETS_HOME": str(home / "home"),
-                "DAGSTER_HOME": str(home / "dagster"),
-                "VLM_ASSETS_PROFILE": "demo",
-            }
-            env.pop("MLFLOW_TRACKING_URI", None)
-            rows["first build"].append(materialize(env))
-            rows["cache hit"].append(materialize(env))
-            print(f"run {run + 1}: " + ", ".join(f"{k} {v[-1][0]:.1f} s" for k, v in rows.items()), flush=True)
+        for executor in args.executor:
+            with tempfile.TemporaryDirectory() as tmp:  # a fresh Dagster home and store each
+                env = fresh_home(Path(tmp))
+                rows[f"first build ({executor})"].append(materialize(env, executor))
+                rows[f"cache hit ({executor})"].append(materialize(env, executor))
+        print(f"run {run + 1}: " + ", ".join(f"{k} {v[-1][0]:.1f} s" for k, v in rows.items()), flush=True)
     print(f"\n`dagster asset materialize --select occlusion_manifests`, 70,000 Fashion-MNIST images, {args.runs} runs")
     print("\n| command | wall s (median) | min-max | the step's own s | around the step | checks passed |")
     print("|---|---:|---:|---:|---:|---:|")

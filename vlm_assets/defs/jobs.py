@@ -6,6 +6,20 @@ import dagster as dg
 
 from vlm_assets.defs.platform.environment import schedule_cron, schedule_job
 
+_default = dg.multi_or_in_process_executor
+# Dagster's default executor with the other default: a job's steps run in its run's process unless the run
+# config says `execution: {config: {multiprocess: {}}}`. Steps are either quick or launch their own worker
+# processes, and a process per step would add ~2 s of imports to each (a cache hit of one asset: 5.3 s
+# -> 3.0 s, bench/bench_cache_hit.py). A launch asks whether its run is canceled, so Terminate still
+# stops a training step (`run_canceled`). Dagster's executor takes no default to override, hence the copy.
+in_process_unless_configured = dg.ExecutorDefinition(
+    name="in_process_unless_configured",
+    config_schema=dg.Field(_default.config_schema.as_field().config_type, default_value={"in_process": {}}),
+    executor_creation_fn=_default.executor_creation_fn,
+    requirements=_default.get_requirements,
+    description="Dagster's multi_or_in_process_executor, in process unless the run config picks multiprocess.",
+)
+
 
 @dg.definitions
 def jobs() -> dg.Definitions:
@@ -13,14 +27,9 @@ def jobs() -> dg.Definitions:
         "main_job",
         selection=dg.AssetSelection.all(),
         description="Materializes the whole graph; unchanged assets are cache hits.",
-        # Steps are either quick or launch their own worker processes: one process per step would
-        # only add ~3 s of imports each on a small machine.
-        executor_def=dg.in_process_executor,
     )
     # A trainer and the data it reads, e.g. `dagster job execute -j gpt_job`; a model it builds on
     # (`backbone_asset: visualchat_model`, `decoder_asset: gpt_checkpoint`) is read from its latest materialization.
-    # Dagster's default executor: multiprocess unless the run config says
-    # `execution: {config: {in_process: {}}}`.
     trainer_jobs = [
         dg.define_asset_job(
             f"{name}_job",
@@ -40,4 +49,4 @@ def jobs() -> dg.Definitions:
         cron_schedule=schedule_cron(),
         default_status=dg.DefaultScheduleStatus.STOPPED,
     )
-    return dg.Definitions(jobs=list(jobs.values()), schedules=[main_schedule])
+    return dg.Definitions(jobs=list(jobs.values()), schedules=[main_schedule], executor=in_process_unless_configured)

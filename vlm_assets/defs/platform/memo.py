@@ -13,8 +13,10 @@ schedule tick and a UI launch) waits and then reuses the artifact, or fails at o
 (``on_busy`` of the artifact store resource).
 """
 
+import _thread
 import contextlib
 import dataclasses
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -30,6 +32,7 @@ from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.reaper import fail_dead_run
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.launch.local import CANCEL_POLL_S
 from vlm_assets.memo import cache_key
 from vlm_assets.storage import ArtifactRef, ArtifactStore
 from vlm_assets.storage.lease import Lease, holder_record
@@ -114,11 +117,15 @@ def materialize_memoized(
     *,
     checks: Sequence[Check] = (),
     key: str | None = None,
+    interrupt_when_canceled: bool = True,
 ) -> Iterator[Any]:
     """The step's events: the artifact (a cache hit, or built and committed), then ``checks`` on it,
     judged with the config's ``checks`` section (declare them with ``check_specs``). ``key``: the
-    artifact's key when the caller computed it already (``artifact_key``)."""
-    output = _materialize(context, artifact_store, mlflow, config, build, upstream or {}, key)
+    artifact's key when the caller computed it already (``artifact_key``). ``interrupt_when_canceled``:
+    interrupt the build when its run is terminated (off for a launch, which asks itself and stops its
+    workers or pods in order)."""
+    with _interrupted_when_canceled(context) if interrupt_when_canceled else contextlib.nullcontext():
+        output = _materialize(context, artifact_store, mlflow, config, build, upstream or {}, key)
     subject = Judged(output.value, getattr(config, "checks", None), artifact_store.get_store(), upstream or {})
     yield from judge(output, checks, subject)
 
@@ -144,6 +151,35 @@ def _materialize(
                 context.log.info(f"cache hit: {ref.uri} (data version {ref.data_version})")
                 return _output(ref, "hit", time.perf_counter() - started, config)
             return _build(context, store, lease, mlflow, config, build, upstream, key, started)
+
+
+@contextlib.contextmanager
+def _interrupted_when_canceled(context: dg.AssetExecutionContext, poll_s: float = CANCEL_POLL_S) -> Iterator[None]:
+    """Interrupt the block as Dagster interrupts a step (SIGINT, raised in it as
+    ``DagsterExecutionInterruptedError``) once its run is being canceled. Dagster's multiprocess
+    executor does that to its step processes; its in-process executor (this location's default) only
+    checks between steps, so a long build would run to its end after Terminate."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    done, lock = threading.Event(), threading.Lock()
+
+    def watch() -> None:
+        while not done.wait(poll_s):
+            if run_canceled(context):
+                with lock:
+                    if not done.is_set():
+                        _thread.interrupt_main()
+                return
+
+    watcher = threading.Thread(target=watch, name="interrupt-when-canceled", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        with lock:
+            done.set()
+        watcher.join()
 
 
 @contextlib.contextmanager

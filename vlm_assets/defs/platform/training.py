@@ -182,7 +182,15 @@ def training_asset(
             return finish(launch, values)
 
         yield from materialize_memoized(
-            context, artifact_store, mlflow, config, build, upstream, checks=checks, key=key
+            context,
+            artifact_store,
+            mlflow,
+            config,
+            build,
+            upstream,
+            checks=checks,
+            key=key,
+            interrupt_when_canceled=False,
         )
 
     return _training_asset
