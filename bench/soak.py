@@ -725,7 +725,7 @@ ATTEMPT = "VLM_SOAK_ATTEMPT"  # the attempt's spec (attempt.json), for soak_job 
 def soak_job():
     """The attempt's job, rebuilt from ``$VLM_SOAK_ATTEMPT`` in the run worker and in each step process:
     the spec's assets with its resources, under Dagster's multiprocess executor with spawned step
-    processes (as ``dagster job execute`` runs a job), so that the run worker and the training step
+    processes (``execution: {config: {multiprocess: {}}}`` of a job here), so that the run worker and the training step
     are processes apart: the ``run-worker`` fault kills the one, the ``step`` fault the other."""
     import dagster as dg
 

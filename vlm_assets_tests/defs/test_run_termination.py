@@ -169,9 +169,9 @@ def dev(request, tmp_path_factory, offline_data):
 
 
 def test_a_run_terminated_through_graphql_is_canceled_and_leaves_nothing_running(dev):
-    # Dagster's multiprocess executor interrupts the step process; its in-process executor (main_job's)
-    # cannot reach a step that waits on its workers, and the launch itself asks whether its run is
-    # being canceled (defs/platform/launcher.py). One of each, to keep the suite's time.
+    # Dagster's multiprocess executor interrupts the step process; its in-process executor (every job's
+    # default here) cannot reach a step that waits on its workers, and the launch itself asks whether its
+    # run is being canceled (defs/platform/launcher.py). One of each, to keep the suite's time.
     run_id = dev.launch(executor="in_process" if dev.launcher == "local" else "multiprocess")
     dev.wait_for_training(checkpoints=1)
     assert _graphql(dev.url, TERMINATE, runId=run_id)["terminateRun"]["__typename"] == "TerminateRunSuccess"

@@ -150,7 +150,7 @@ def _die_with_orchestrator() -> None:
 
 def run_canceled(context: dg.AssetExecutionContext) -> bool:
     """Whether the step's run is being terminated. Dagster's multiprocess executor interrupts its step
-    processes when a run is terminated; its in-process executor (``main_job``'s) does not reach a step
+    processes when a run is terminated; its in-process executor (every job's default) does not reach a step
     that is waiting on its workers, and the run would end only after training: the launch asks, and
     stops with Dagster's own interrupt. Dagster retries an interrupted step under its RetryPolicy
     (in process, nothing stops the retry), so a memoized step asks first too (``memo``)."""
