@@ -10,6 +10,8 @@ import dagster as dg
 import pytest
 
 from vlm_assets.defs.platform.environment import profile, resources_for, schedule_cron, schedule_job
+from vlm_assets.defs.platform.profiles import PROFILE_DIR, profile_defaults
+from vlm_assets.paths import offline_data_dir
 from vlm_assets.train.gpt_config import PretrainConfig
 
 
@@ -106,17 +108,16 @@ def test_environment_switches(tmp_path, monkeypatch):
         schedule_job(jobs, {"VLM_ASSETS_SCHEDULE_JOB": "nightly_job"})
 
 
-def _defaults_in_a_fresh_process(profile_name: str, extra_code: str = "") -> subprocess.CompletedProcess:
-    code = f"""
+def _defaults_in_a_fresh_process(profile_name: str) -> subprocess.CompletedProcess:
+    code = """
 import json, dagster as dg
 from vlm_assets.definitions import defs
-{extra_code}
 d = defs()
 asset_job = d.resolve_implicit_global_asset_job_def()  # what the UI's Materialize buttons run
 main = d.resolve_job_def("main_job")
 def ops(job):
-    return {{k: v.get("config") for k, v in job.run_config_schema.config_type.fields["ops"].default_value.items()}}
-print(json.dumps({{"main": ops(main), "ui": ops(asset_job)}}))
+    return {k: v.get("config") for k, v in job.run_config_schema.config_type.fields["ops"].default_value.items()}
+print(json.dumps({"main": ops(main), "ui": ops(asset_job)}))
 """
     return subprocess.run(
         [sys.executable, "-c", code],
@@ -129,8 +130,6 @@ print(json.dumps({{"main": ops(main), "ui": ops(asset_job)}}))
 
 @pytest.mark.parametrize("name", ["demo", "seed"])
 def test_ui_materialize_and_main_job_use_the_active_profile(name):
-    from vlm_assets.defs.platform.profiles import profile_defaults
-
     proc = _defaults_in_a_fresh_process(name)
     assert proc.returncode == 0, proc.stderr[-3000:]
     defaults = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -150,31 +149,56 @@ def test_ui_materialize_and_main_job_use_the_active_profile(name):
                 assert (config[field][name] if name else config[field]) == one, (key, field, name)
 
 
-def test_a_profile_value_a_field_rejects_fails_the_load_naming_it():
-    patch = (
-        "import vlm_assets.defs.platform.profiles as p\n"
-        "real = p.profile_defaults\n"
-        "p.profile_defaults = lambda n: {**real(n),\n"
-        "    'gpt_checkpoint': {**real(n)['gpt_checkpoint'], 'optimizer': {'lr': -1.0}}}"
-    )
-    proc = _defaults_in_a_fresh_process("demo", patch)
+def _own_profile(tmp_path: Path, old: str, new: str) -> str:
+    """The demo profile with ``old`` replaced by ``new``, as a YAML file of one's own."""
+    demo = (PROFILE_DIR / "demo.yaml").read_text()
+    assert old in demo
+    (tmp_path / "mine.yaml").write_text(demo.replace(old, new))
+    return str(tmp_path / "mine.yaml")
+
+
+def test_a_profile_of_ones_own_is_a_yaml_file_whose_values_become_the_defaults(tmp_path):
+    mine = _own_profile(tmp_path, "max_length: 256\n\n#", "max_length: 128\n\n#")
+    proc = _defaults_in_a_fresh_process(mine)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ops = json.loads(proc.stdout.strip().splitlines()[-1])["main"]
+    assert ops["token_shards"]["max_length"] == 128  # demo: 256
+    assert ops["token_shards"]["tokenizer"] == str(offline_data_dir() / "gpt2-tokenizer")  # ${offline_data}
+    assert ops["gpt_checkpoint"]["parallelism"]["num_nodes"] == 2  # the rest as the demo's
+
+
+def test_a_profile_file_that_cannot_be_read_fails_naming_the_file_and_line(tmp_path):
+    broken = _own_profile(tmp_path, "  num_train: 2000\n", "  num_train: [2000\n")
+    with pytest.raises(
+        ValueError, match=r'mine.yaml is not valid YAML: while parsing .*\n  in ".*mine.yaml", line 9, column 14'
+    ):
+        profile_defaults(broken)
+    typo = _own_profile(tmp_path, "${offline_data}/fashion-mnist", "${ofline_data}/fashion-mnist")
+    with pytest.raises(ValueError, match=r"mine.yaml: \$\{ofline_data\} is neither \$\{offline_data\} nor"):
+        profile_defaults(typo)
+    (tmp_path / "list.yaml").write_text("- occlusion_manifests\n")
+    with pytest.raises(ValueError, match="list.yaml: expected a mapping of asset name -> field values"):
+        profile_defaults(str(tmp_path / "list.yaml"))
+    with pytest.raises(ValueError, match="expected one of .*or an existing .yaml file"):
+        profile({"VLM_ASSETS_PROFILE": str(tmp_path / "missing.yaml")})
+
+
+def test_a_profile_value_a_field_rejects_fails_the_load_naming_it(tmp_path):
+    mine = _own_profile(tmp_path, "lr: 3.0e-3, warmup_steps: 5", "lr: -1.0, warmup_steps: 5")
+    proc = _defaults_in_a_fresh_process(mine)
     assert proc.returncode != 0
     assert (
-        "ValueError: profile 'demo': config of gpt_checkpoint (GPTCheckpointConfig): field optimizer.lr: "
+        f"ValueError: profile {mine!r}: config of gpt_checkpoint (GPTCheckpointConfig): field optimizer.lr: "
         "Input should be greater than 0" in proc.stderr
     )
 
 
-def test_a_profile_key_no_asset_claims_fails_the_load_naming_it():
+def test_a_profile_key_no_asset_claims_fails_the_load_naming_it(tmp_path):
     """Profiles are keyed by asset name: a misspelt (or renamed) asset fails the load, never dropped silently."""
-    patch = (
-        "import vlm_assets.defs.platform.profiles as p\n"
-        "real = p.profile_defaults\n"
-        "p.profile_defaults = lambda n: {**real(n), 'gpt_checkpont': {'lr': 1e-3}}"
-    )
-    proc = _defaults_in_a_fresh_process("demo", patch)
+    mine = _own_profile(tmp_path, "\neval_report:", "\ngpt_checkpont: {log_every: 5}\neval_report:")
+    proc = _defaults_in_a_fresh_process(mine)
     assert proc.returncode != 0
-    assert "ValueError: profile 'demo': no asset config claims gpt_checkpont (claimed: eval_report," in proc.stderr
+    assert f"ValueError: profile {mine!r}: no asset config claims gpt_checkpont (claimed: eval_report," in proc.stderr
 
 
 def test_training_steps_share_one_pool_sized_by_the_instance(tmp_path):

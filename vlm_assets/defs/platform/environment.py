@@ -6,7 +6,8 @@
 ``VLM_ASSETS_LAUNCHER`` ``local`` (default: torchrun processes on this machine, loopback rendezvous) or
                         ``k8s`` (pods in a cluster; ``VLM_ASSETS_K8S_CONFIG``: a YAML file of the launcher's
                         settings, ``vlm_assets.launch.k8s.PodSettings``; kubeconfig: ``KUBECONFIG`` or in-cluster)
-``VLM_ASSETS_PROFILE``  ``demo`` (default: offline real data, tiny models, CPU) or ``seed`` (full scale)
+``VLM_ASSETS_PROFILE``  ``demo`` (default: offline real data, tiny models, CPU), ``seed`` (full scale), or a
+                        YAML file of one's own (the shape of ``vlm_assets/profiles/demo.yaml``)
 ``VLM_ASSETS_ON_BUSY``  ``wait`` (default) or ``fail``: a key another live attempt is building
 ``VLM_ASSETS_LEASE_TTL_S`` seconds without renewal after which a builder's lease expires (default 120)
 ``VLM_ASSETS_SCHEDULE_CRON`` cron of ``main_schedule`` (default ``0 3 * * *``)
@@ -29,8 +30,8 @@ PROFILES = ("demo", "seed")
 
 def profile(env: Mapping[str, str] = os.environ) -> str:
     name = env.get("VLM_ASSETS_PROFILE", "demo")
-    if name not in PROFILES:
-        raise ValueError(f"VLM_ASSETS_PROFILE={name!r}: expected one of {PROFILES}")
+    if name not in PROFILES and not (name.endswith((".yaml", ".yml")) and Path(name).is_file()):
+        raise ValueError(f"VLM_ASSETS_PROFILE={name!r}: expected one of {PROFILES}, or an existing .yaml file")
     return name
 
 

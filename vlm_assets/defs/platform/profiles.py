@@ -1,111 +1,53 @@
 """Run profiles as config defaults, so every way of launching an asset uses the active profile.
 
 ``seed`` = the defaults written in the config classes (official CIFAR-10, wikitext-103, gpt2 from the
-hub, full-size training). ``demo`` = the real offline data of ``scripts/fetch-offline-data.sh`` at
-small scale; its values replace those defaults when the code location loads with
-``VLM_ASSETS_PROFILE=demo`` (the default). Because they are the config classes' defaults, `main_job`,
-the UI's "Materialize" buttons, `dagster asset materialize` and the schedule all run the same thing,
-and a value given in run config still wins. A profile is data keyed by asset name (``<asset>.checks``
-for an asset's checks section); each config class claims its key (``profile_key``), and a key no
-class claims or a value a field rejects fails the load, naming it.
+hub, full-size training). ``demo`` (``vlm_assets/profiles/demo.yaml``) = the real offline data of
+``scripts/fetch-offline-data.sh`` at small scale; its values replace those defaults when the code
+location loads with ``VLM_ASSETS_PROFILE=demo`` (the default). A profile of one's own is a YAML file
+of the same shape (``VLM_ASSETS_PROFILE=/path/to/profile.yaml``). Because they are the config classes'
+defaults, `main_job`, the UI's "Materialize" buttons, `dagster asset materialize` and the schedule all
+run the same thing, and a value given in run config still wins. A profile is data keyed by asset name
+(``<asset>.checks`` for an asset's checks section); each config class claims its key (``profile_key``),
+and a key no class claims or a value a field rejects fails the load, naming it.
 """
 
 import enum
+import io
+import string
 from pathlib import Path
 from typing import Any, ClassVar
 
 import dagster as dg
 import pydantic
+import yaml
 
 from vlm_assets.defs.platform.environment import profile
 from vlm_assets.paths import offline_data_dir
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "data" / "examples"  # package data (pyproject.toml)
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "profiles"  # package data too
 
 
 def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
-    """Asset name (``<asset>.checks`` for its checks section) -> field defaults of the profile (empty for
-    ``seed``)."""
+    """Asset name (``<asset>.checks`` for its checks section) -> field defaults of the profile: none for
+    ``seed``, ``vlm_assets/profiles/demo.yaml`` for ``demo``, else the YAML file ``name`` (same shape)."""
     if name == "seed":
         return {}
-    return _demo(offline_data_dir())
-
-
-def _demo(data: Path) -> dict[str, dict[str, Any]]:
-    return {
-        "occlusion_manifests": {
-            "source": "fashion_mnist",
-            "source_uri": str(data / "fashion-mnist"),
-            "num_train": 2000,
-            "num_validation": 500,
-        },
-        "token_shards": {
-            "source": "text_files",
-            "text_glob": str(data / "shakespeare" / "*.txt"),
-            "tokenizer": str(data / "gpt2-tokenizer"),
-            "max_length": 256,
-        },
-        # Two nodes of one process each (two torchrun agents on loopback), as a cluster would run it.
-        "gpt_checkpoint": {
-            "model": {"preset": "tiny"},
-            "optimizer": {"global_batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "max_steps": 40},
-            "data": {"val_check_interval": 20, "val_batches": 8},
-            "checkpoint": {"every": 20},
-            "parallelism": {"strategy": "ddp", "num_nodes": 2, "nproc_per_node": 1, "micro_batch_size": 4},
-            "log_every": 10,
-        },
-        # VisualChat on the graph's own GPT: the pretrained EfficientNet-Lite0 (frozen, its features cached),
-        # an mlp projection, and the decoder with LoRA, trained with it (40 steps of Shakespeare teach a
-        # decoder too little for LoRA alone), on the clean images as VQA (the manifest's prompt, and 400
-        # asked in other words) and two-image conversations, plus a small LLaVA-format file of real
-        # CIFAR-10 photos (24 conversations; README "Chat datasets"). 400 steps: at 300 the demo's own seed
-        # stopped short (VQA 53 %, the adapter's gain +2.8 [-0.8, +6.2] pts: README "Measured").
-        "visualchat_model": {
-            "decoder_asset": "gpt_checkpoint",
-            "model": {
-                "encoder_kind": "efficientnet_lite0",
-                "encoder": None,  # the packaged ImageNet weights
-                "projection": "mlp",
-                "freeze_modules": ["encoder"],
-                "max_length": 256,
-            },
-            "optimizer": {"global_batch_size": 16, "lr": 3e-3, "warmup_steps": 10, "max_steps": 400},
-            "data": {
-                "chat_datasets": {str(EXAMPLES / "cifar10_llava.json"): None},
-                "image_folder": str(data / "cifar10-samples"),
-                "vqa_count": 800,
-                "pair_count": 100,
-                "phrasing_count": 400,
-                "eval_fraction": 0.05,
-                "eval_images": 100,
-            },
-            "checkpoint": {"every": 200},
-            "parallelism": {"nproc_per_node": 2, "micro_batch_size": 8, "cache_image_features": True},
-            "log_every": 50,
-        },
-        "visualchat_model.checks": {"min_exact_match": 0.3},
-        # The adapter at the images' own 28 px in front of that VisualChat model (frozen), on 2 processes:
-        # 6 weight-tied steps (a 12 px reach: the whole box), 10 epochs of reconstruction (it learns to
-        # inpaint; no backbone). The LM loss is left out here: on this lineage it shuts the gate (README,
-        # "Why the adapter helps"). The frozen model judges the adapter in eval_report.
-        "occlusion_adapter": {
-            "backbone_asset": "visualchat_model",
-            "model": {"adapter_steps": 6},
-            "optimizer": {
-                "global_batch_size": 16,
-                "lr": 1e-2,
-                "epochs": 10,
-                "reconstruction_warmup_epochs": 10,
-                "reconstruction_loss_weight": 1.0,
-                "reconstruction_outside_box": True,
-            },
-            "data": {"image_size": 28, "num_train": None, "num_validation": 200},
-            "parallelism": {"nproc_per_node": 2, "micro_batch_size": 8},
-        },
-        "eval_report": {"num_samples": 500, "batch_size": 50, "num_cards": 24},
-        # Changing a threshold judges the same report again, never rebuilds it.
-        "eval_report.checks": {"min_accuracy": 0.3},
-    }
+    path = PROFILE_DIR / f"{name}.yaml" if name == "demo" else Path(name)
+    try:
+        text = string.Template(path.read_text()).substitute(offline_data=offline_data_dir(), examples=EXAMPLES)
+        stream = io.StringIO(text)
+        stream.name = str(path)  # YAML's errors name the stream: the file, line and column
+        values = yaml.safe_load(stream)
+    except KeyError as err:
+        raise ValueError(f"profile {path}: ${{{err.args[0]}}} is neither ${{offline_data}} nor ${{examples}}") from None
+    except ValueError as err:  # a lone $
+        raise ValueError(f"profile {path}: {err} (write $$ for a $)") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"profile {path} is not valid YAML: {err}") from None
+    if not isinstance(values, dict) or not all(isinstance(v, dict) for v in values.values()):
+        raise ValueError(f"profile {path}: expected a mapping of asset name -> field values")
+    return values
 
 
 # Values a profile sets for its own data source hold only while the asset reads that source: a user who
