@@ -9,6 +9,8 @@ through the same ``preprocess`` as training and evaluation.
 
 import base64
 import io
+import json
+from pathlib import Path
 
 import mlflow.pyfunc
 import numpy as np
@@ -29,7 +31,7 @@ class OcclusionAdapterPredictor(mlflow.pyfunc.PythonModel):
         self.backbone = load_backbone(info["backbone"], max_length=info["max_length"])
 
     # A DataFrame hint: MLflow then validates against the signature logged with the model (a base64
-    # PNG column and a box column, eval_assets) instead of inferring one from the hint.
+    # PNG column and a box column, ``log_model``) instead of inferring one from the hint.
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
         triples = []
         for row, (image, box) in enumerate(zip(model_input["image"], model_input["box"])):
@@ -68,3 +70,30 @@ def png_b64(pixels: np.ndarray) -> str:
     buf = io.BytesIO()
     Image.fromarray(pixels.squeeze()).save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode()
+
+
+def log_model(run_id: str, root: Path, tracking_uri: str):
+    """Log the predictor of the adapter artifact ``root`` into the MLflow run ``run_id``; returns its
+    ``ModelInfo``. Its input example: a mid-grey PNG at the training size with a box in its middle."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, Schema
+
+    from vlm_assets.models.registry import log_pyfunc
+
+    side = json.loads((root / "backbone.json").read_text())["image_size"]
+    return log_pyfunc(
+        run_id,
+        tracking_uri,
+        Path(__file__).with_name("adapter_model.py"),
+        ModelSignature(
+            inputs=Schema([ColSpec("string", "image"), ColSpec(Array("long"), "box")]),
+            outputs=Schema([ColSpec("string", "label")]),
+        ),
+        pd.DataFrame(
+            {
+                "image": [png_b64(np.full((side, side, 3), 128, np.uint8))],
+                "box": [[side // 4, side // 4, side // 2, side // 2]],
+            }
+        ),
+        {"adapter": str(root / "adapter.safetensors"), "backbone": str(root / "backbone.json")},
+    )

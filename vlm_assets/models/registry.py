@@ -9,6 +9,7 @@ registration that died half-way, and a registry that was reset or an alias moved
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 WEIGHTS_TAG = "weights_sha256"
@@ -27,6 +28,24 @@ def serving_requirements() -> list[str]:
     from importlib.metadata import version
 
     return [f"{name}=={version(name)}" for name in SERVING_PACKAGES]
+
+
+def log_pyfunc(run_id: str, tracking_uri: str, code: Path, signature, example, artifacts: dict[str, str]):
+    """Log a pyfunc with MLflow's models-from-code (``code`` is the model's file: nothing pickled) into the
+    run ``run_id``, with its signature (the contract ``predict`` is held to), an input example and the
+    pinned serving requirements; returns its ``ModelInfo``."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri)
+    with mlflow.start_run(run_id=run_id):
+        return mlflow.pyfunc.log_model(
+            name="model",
+            python_model=str(code),
+            signature=signature,
+            input_example=example,
+            pip_requirements=serving_requirements(),
+            artifacts=artifacts,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,8 @@ downloads and chats with. ``predict`` takes a DataFrame with ``question`` (text)
 of base64 PNGs, in order) and returns one answer per row.
 """
 
-import base64
 import io
+from pathlib import Path
 
 import mlflow.pyfunc
 import numpy as np
@@ -46,6 +46,27 @@ class VisualChatPredictor(mlflow.pyfunc.PythonModel):
 
 def example_png() -> str:
     """A mid-grey 28 x 28 PNG, base64: the logged input example."""
-    buf = io.BytesIO()
-    Image.fromarray(np.full((28, 28, 3), 128, np.uint8)).save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
+    from vlm_assets.models.adapter_pyfunc import png_b64
+
+    return png_b64(np.full((28, 28, 3), 128, np.uint8))
+
+
+def log_model(run_id: str, root: Path, tracking_uri: str):
+    """Log the predictor of the VisualChat artifact ``root`` (its ``model/``) into the MLflow run
+    ``run_id``; returns its ``ModelInfo``."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, Schema
+
+    from vlm_assets.models.registry import log_pyfunc
+
+    return log_pyfunc(
+        run_id,
+        tracking_uri,
+        Path(__file__).with_name("visualchat_model_code.py"),
+        ModelSignature(
+            inputs=Schema([ColSpec("string", "question"), ColSpec(Array("string"), "images")]),
+            outputs=Schema([ColSpec("string", "answer")]),
+        ),
+        pd.DataFrame({"question": ["What is shown?"], "images": [[example_png()]]}),
+        {"model": str(root / "model")},
+    )

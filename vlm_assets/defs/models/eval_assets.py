@@ -15,8 +15,7 @@ from vlm_assets.defs.platform.registration import registered_model_asset
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
-from vlm_assets.models import adapter_card
-from vlm_assets.models.registry import serving_requirements
+from vlm_assets.models import adapter_card, adapter_pyfunc
 from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.run_config import step_field
 
@@ -199,49 +198,6 @@ class RegisteredAdapterConfig(AssetConfig):
     alias: str = Field(default="champion", min_length=1, description="Alias pointed at this adapter's version.")
 
 
-def log_adapter_model(run: TrackedRun, root: Path, tracking_uri: str):
-    """Log the pyfunc into ``run`` with MLflow's models-from-code; returns its ``ModelInfo``."""
-    import mlflow as mlflow_lib
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import Array, ColSpec, Schema
-
-    from vlm_assets.models import adapter_pyfunc
-
-    info = json.loads((root / "backbone.json").read_text())
-    signature = ModelSignature(
-        inputs=Schema([ColSpec("string", "image"), ColSpec(Array("long"), "box")]),
-        outputs=Schema([ColSpec("string", "label")]),
-    )
-    example = _input_example(info)
-    mlflow_lib.set_tracking_uri(tracking_uri)
-    with mlflow_lib.start_run(run_id=run.run_id):  # the signature above is the contract (adapter_pyfunc)
-        logged = mlflow_lib.pyfunc.log_model(
-            name="model",
-            python_model=str(Path(adapter_pyfunc.__file__).with_name("adapter_model.py")),
-            signature=signature,
-            input_example=example,
-            pip_requirements=serving_requirements(),
-            artifacts={"adapter": str(root / "adapter.safetensors"), "backbone": str(root / "backbone.json")},
-        )
-    return logged
-
-
-def _input_example(info: dict):
-    """One occluded-looking request: a mid-grey PNG at the training size with a box in its middle."""
-    import numpy as np
-    import pandas as pd
-
-    from vlm_assets.models.adapter_pyfunc import png_b64
-
-    side = info["image_size"]
-    return pd.DataFrame(
-        {
-            "image": [png_b64(np.full((side, side, 3), 128, np.uint8))],
-            "box": [[side // 4, side // 4, side // 2, side // 2]],
-        }
-    )
-
-
 registered_adapter = registered_model_asset(
     "registered_adapter",
     description="""The adapter as an MLflow pyfunc model (PNG + box -> label; models-from-code, safetensors
@@ -255,6 +211,6 @@ registered_adapter = registered_model_asset(
     code_version="2",
     deps=[eval_report],
     weights_sha256=lambda files: files["adapter.safetensors"]["sha256"],
-    log_model=log_adapter_model,
+    log_model=adapter_pyfunc.log_model,
     card=adapter_card.DESCRIPTION,
 )

@@ -21,8 +21,7 @@ from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.registration import registered_model_asset
 from vlm_assets.defs.platform.tracking import TrackedRun
 from vlm_assets.defs.platform.training import Launch, TrainingConfig, dagster_config, training_asset
-from vlm_assets.models import visualchat_card
-from vlm_assets.models.registry import serving_requirements
+from vlm_assets.models import visualchat_card, visualchat_pyfunc
 from vlm_assets.paths import require_local
 from vlm_assets.train.run_config import step_field
 from vlm_assets.train.visualchat_config import VisualChatTrainConfig
@@ -194,32 +193,6 @@ def combined_sha256(shas: dict[str, str]) -> str:
     return hashlib.sha256("".join(f"{p}:{s}\n" for p, s in sorted(shas.items())).encode()).hexdigest()
 
 
-def log_visualchat_model(run: TrackedRun, root: Path, tracking_uri: str):
-    """Log the pyfunc into ``run`` with MLflow's models-from-code; returns its ``ModelInfo``."""
-    import mlflow as mlflow_lib
-    import pandas as pd
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import Array, ColSpec, Schema
-
-    from vlm_assets.models import visualchat_pyfunc
-
-    signature = ModelSignature(
-        inputs=Schema([ColSpec("string", "question"), ColSpec(Array("string"), "images")]),
-        outputs=Schema([ColSpec("string", "answer")]),
-    )
-    example = pd.DataFrame({"question": ["What is shown?"], "images": [[visualchat_pyfunc.example_png()]]})
-    mlflow_lib.set_tracking_uri(tracking_uri)
-    with mlflow_lib.start_run(run_id=run.run_id):
-        return mlflow_lib.pyfunc.log_model(
-            name="model",
-            python_model=str(Path(visualchat_pyfunc.__file__).with_name("visualchat_model_code.py")),
-            signature=signature,
-            input_example=example,
-            pip_requirements=serving_requirements(),
-            artifacts={"model": str(root / "model")},
-        )
-
-
 registered_visualchat = registered_model_asset(
     "registered_visualchat",
     description="""The merged VisualChat model as an MLflow pyfunc (models-from-code: a question and base64
@@ -230,6 +203,6 @@ registered_visualchat = registered_model_asset(
     source="visualchat_model",
     config_type=RegisteredVisualChatConfig,
     weights_sha256=lambda files: combined_sha256({p: f["sha256"] for p, f in files.items() if p.startswith("model/")}),
-    log_model=log_visualchat_model,
+    log_model=visualchat_pyfunc.log_model,
     card=visualchat_card.DESCRIPTION,
 )
