@@ -3,6 +3,8 @@
 import base64
 import html
 import io
+import json
+from pathlib import Path
 
 import matplotlib
 
@@ -166,3 +168,41 @@ border:1px solid #ddd;width:310px;vertical-align:top}} .card img{{margin:2px}} .
 <img src="{data_uri(confusion_png(result))}">
 <h2>Prediction cards</h2><p>occluded input, adapter output, clean image; predictions per condition.</p>{card_html}
 </body></html>"""
+
+
+def write_report(staging: Path, result: EvalResult, data, adapter, epochs: list[dict], num_cards: int) -> dict:
+    """``report.html`` (its first ``num_cards`` images of ``data`` as prediction cards), ``eval.json`` (the
+    summary, its intervals as ``<name>_ci95: [low, high]``, per-class accuracy, the adapter's confusion)
+    and ``predictions.jsonl`` into ``staging``; returns the summary."""
+    summary = result.summary()
+    cards = []
+    with torch.no_grad():
+        for i in range(min(num_cards, len(result.labels))):
+            item = data[i]
+            cards.append(
+                {
+                    "occluded": item["occluded"],
+                    "clean": item["clean"],
+                    "label": item["answer"],
+                    "restored": adapter(item["occluded"][None], item["mask"][None])[0],
+                    "predictions": {c: result.predictions[c][i] for c in result.predictions},
+                }
+            )
+    (staging / "report.html").write_text(html_report(result, epochs, cards, "Occlusion adapter evaluation"))
+    intervals = {
+        key.removesuffix("_low"): [value, summary[key.removesuffix("_low") + "_high"]]
+        for key, value in summary.items()
+        if key.endswith("_ci95_low")
+    }
+    per_class = {c: result.per_class(c) for c in result.predictions}
+    (staging / "eval.json").write_text(
+        json.dumps(
+            {**summary, **intervals, "per_class": per_class, "confusion_adapter": result.confusion("adapter").tolist()},
+            indent=1,
+        )
+    )
+    with open(staging / "predictions.jsonl", "w") as f:
+        for i, y in enumerate(result.labels):
+            row = {"label": result.class_names[y], **{c: result.predictions[c][i] for c in result.predictions}}
+            f.write(json.dumps(row) + "\n")
+    return summary

@@ -118,11 +118,10 @@ def eval_report(
     store = artifact_store.get_store()
 
     def build(staging: Path, run: TrackedRun) -> Built:
-        import torch  # heavy imports only when building: a cache hit needs none of them
-
+        # heavy imports only when building: a cache hit needs none of them
         from vlm_assets.data.occlusion_dataset import OcclusionSamples, class_names
         from vlm_assets.evaluate.occlusion_eval import evaluate
-        from vlm_assets.evaluate.report import accuracy_png, data_uri, html_report, markdown_table
+        from vlm_assets.evaluate.report import accuracy_png, data_uri, markdown_table, write_report
 
         backbone, adapter, info, root = load_trained(store, occlusion_adapter)
         manifests = store.local_path(occlusion_manifests.key)
@@ -136,41 +135,8 @@ def eval_report(
             batch_size=config.batch_size,
             log=context.log.info,
         )
-        summary = result.summary()
-        cards = []
-        with torch.no_grad():
-            for i in range(min(config.num_cards, len(result.labels))):
-                item = data[i]
-                cards.append(
-                    {
-                        "occluded": item["occluded"],
-                        "clean": item["clean"],
-                        "label": item["answer"],
-                        "restored": adapter(item["occluded"][None], item["mask"][None])[0],
-                        "predictions": {c: result.predictions[c][i] for c in result.predictions},
-                    }
-                )
         epochs = json.loads((root / "history.json").read_text())["epochs"]
-        (staging / "report.html").write_text(html_report(result, epochs, cards, "Occlusion adapter evaluation"))
-        (staging / "eval.json").write_text(
-            json.dumps(
-                {
-                    **summary,
-                    **intervals(summary),
-                    "per_class": {c: result.per_class(c) for c in result.predictions},
-                    "confusion_adapter": result.confusion("adapter").tolist(),
-                },
-                indent=1,
-            )
-        )
-        with open(staging / "predictions.jsonl", "w") as f:
-            for i, y in enumerate(result.labels):
-                f.write(
-                    json.dumps(
-                        {"label": result.class_names[y], **{c: result.predictions[c][i] for c in result.predictions}}
-                    )
-                    + "\n"
-                )
+        summary = write_report(staging, result, data, adapter, epochs, config.num_cards)
         run.log_artifact(str(staging / "report.html"))
         run.log_artifact(str(staging / "eval.json"))
         return Built(
@@ -182,15 +148,6 @@ def eval_report(
         )
 
     yield from materialize_memoized(context, artifact_store, mlflow, config, build, upstream, checks=CHECKS)
-
-
-def intervals(summary: dict[str, float]) -> dict[str, list[float]]:
-    """The summary's flat ``<name>_ci95_low`` / ``_ci95_high`` pairs as ``<name>_ci95: [low, high]``."""
-    return {
-        key.removesuffix("_low"): [value, summary[key.removesuffix("_low") + "_high"]]
-        for key, value in summary.items()
-        if key.endswith("_ci95_low")
-    }
 
 
 class RegisteredAdapterConfig(AssetConfig):
