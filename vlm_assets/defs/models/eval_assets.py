@@ -15,7 +15,7 @@ from vlm_assets.defs.platform.registration import registered_model_asset
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
-from vlm_assets.models import adapter_card, adapter_pyfunc
+from vlm_assets.models import adapter_card
 from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.run_config import step_field
 
@@ -168,6 +168,6 @@ registered_adapter = registered_model_asset(
     code_version="2",
     deps=[eval_report],
     weights_sha256=lambda files: files["adapter.safetensors"]["sha256"],
-    log_model=adapter_pyfunc.log_model,
+    pyfunc="vlm_assets.models.adapter_pyfunc",
     card=adapter_card.DESCRIPTION,
 )

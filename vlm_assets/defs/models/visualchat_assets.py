@@ -21,7 +21,7 @@ from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.registration import registered_model_asset
 from vlm_assets.defs.platform.tracking import TrackedRun
 from vlm_assets.defs.platform.training import Launch, TrainingConfig, dagster_config, training_asset
-from vlm_assets.models import visualchat_card, visualchat_pyfunc
+from vlm_assets.models import visualchat_card
 from vlm_assets.paths import require_local
 from vlm_assets.train.run_config import step_field
 from vlm_assets.train.visualchat_config import VisualChatTrainConfig
@@ -203,6 +203,6 @@ registered_visualchat = registered_model_asset(
     source="visualchat_model",
     config_type=RegisteredVisualChatConfig,
     weights_sha256=lambda files: combined_sha256({p: f["sha256"] for p, f in files.items() if p.startswith("model/")}),
-    log_model=visualchat_pyfunc.log_model,
+    pyfunc="vlm_assets.models.visualchat_pyfunc",
     card=visualchat_card.DESCRIPTION,
 )

@@ -4,9 +4,9 @@ pointed at its version. The registry, not a local cache, decides: a version is f
 the model's files, so the same model never makes a second version, and a reset registry or an alias
 moved by hand is mended on the next run."""
 
+import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -22,7 +22,7 @@ def registered_model_asset(
     source: str,
     config_type: type,
     weights_sha256: Callable[[Mapping[str, dict[str, Any]]], str],
-    log_model: Callable[[str, Path, str], Any],
+    pyfunc: str,
     card: str,
     description: str,
     code_version: str = "1",
@@ -30,7 +30,8 @@ def registered_model_asset(
 ) -> dg.AssetsDefinition:
     """An asset named ``name`` that registers ``source``'s artifact as ``config.model_name`` with
     ``config.alias`` pointed at it: ``weights_sha256(files of the manifest)`` identifies the model;
-    ``log_model(MLflow run id, artifact dir, tracking uri)`` logs the pyfunc into a new MLflow run, only when no
+    the module ``pyfunc``'s ``log_model(MLflow run id, artifact dir, tracking uri)`` logs the model into a
+    new MLflow run (imported then: a cache hit never loads MLflow's pyfunc or torch), only when no
     version of that name carries the sha256 yet. ``card`` is the registered model's description."""
 
     @dg.asset(
@@ -58,7 +59,8 @@ def registered_model_asset(
         def logged():  # only when the registry has no such version: the artifact is read (or downloaded) here
             tags = {"dagster.run_id": context.run.run_id, "dagster.asset": name}
             with mlflow.start_run(run_name=name, tags=tags) as run:
-                return log_model(run.run_id, store.local_path(ref.key), mlflow.tracking_uri)
+                module = importlib.import_module(pyfunc)
+                return module.log_model(run.run_id, store.local_path(ref.key), mlflow.tracking_uri)
 
         with mlflow.registry_errors():
             entry = register_once(mlflow.client(), config.model_name, config.alias, sha256, logged, card)
