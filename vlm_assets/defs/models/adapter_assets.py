@@ -1,7 +1,6 @@
 """``occlusion_adapter`` -> ``eval_report`` -> ``registered_adapter``: train the adapter in front of a
 frozen VLM, prove it helps, and register it in the MLflow Model Registry only when the checks pass."""
 
-import enum
 import json
 from pathlib import Path
 
@@ -10,14 +9,14 @@ import dagster as dg
 from vlm_assets.defs.platform.checks import Judged
 from vlm_assets.defs.platform.launcher import numbers
 from vlm_assets.defs.platform.memo import Built
-from vlm_assets.defs.platform.training import Launch, TrainingConfig, dagster_config, training_asset
+from vlm_assets.defs.platform.training import Launch, TrainingConfig, UpstreamAsset, dagster_config, training_asset
 from vlm_assets.paths import require_local
 from vlm_assets.storage import ArtifactStore
 from vlm_assets.train.adapter_config import AdapterTrainConfig
 from vlm_assets.train.run_config import step_field
 
 
-class BackboneAsset(enum.Enum):
+class BackboneAsset(UpstreamAsset):
     """A model of this graph that can be the frozen backbone."""
 
     visualchat_model = "visualchat_model"  # its merged model/ directory
@@ -149,7 +148,6 @@ occlusion_adapter = training_asset(
     config_type=OcclusionAdapterConfig,
     trainer="vlm_assets.train.adapter_train",
     source="occlusion_manifests",
-    optional=("visualchat_model", "backbone_asset"),
     inputs=adapter_inputs,
     finish=adapter_report,
     on_failure=partial_on_failure,

@@ -7,7 +7,6 @@ and the launch's paths into a run file, lets the launcher run ``vlm_assets.train
 every process, and commits what rank 0 wrote.
 """
 
-import enum
 import json
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from vlm_assets.defs.platform.memo import AssetConfig, Built
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.registration import registered_model_asset
 from vlm_assets.defs.platform.tracking import TrackedRun
-from vlm_assets.defs.platform.training import Launch, TrainingConfig, dagster_config, training_asset
+from vlm_assets.defs.platform.training import Launch, TrainingConfig, UpstreamAsset, dagster_config, training_asset
 from vlm_assets.models import visualchat_card
 from vlm_assets.paths import require_local
 from vlm_assets.train.run_config import step_field
@@ -35,7 +34,7 @@ class VQACheckConfig(ProfileDefaults, dg.Config):
     )
 
 
-class DecoderAsset(enum.Enum):
+class DecoderAsset(UpstreamAsset):
     """A model of this graph that can be the decoder."""
 
     gpt_checkpoint = "gpt_checkpoint"  # its Hugging Face export, hf/
@@ -140,7 +139,6 @@ visualchat_model = training_asset(
     config_type=VisualChatAssetConfig,
     trainer="vlm_assets.train.visualchat_train",
     source="occlusion_manifests",
-    optional=("gpt_checkpoint", "decoder_asset"),
     inputs=visualchat_inputs,
     finish=visualchat_report,
     checks=(eval_loss_beats_untrained, vqa_exact_match_meets_threshold, merged_equals_unmerged),

@@ -9,7 +9,9 @@ launch -> materialization, as in Dagster's Pipes examples.
 """
 
 import dataclasses
+import enum
 import inspect
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,22 @@ def dagster_config(config: type[RunConfig]) -> type:
     return twin(config)
 
 
+class UpstreamAsset(enum.Enum):
+    """The type of a step field that may name a model of this graph to read (its members are asset names):
+    ``decoder_asset: DecoderAsset | None``. ``training_asset`` makes each member a ``deps`` edge and reads
+    the named asset's artifact when the field is set, so the choice is declared once, by the config."""
+
+
+def upstream_choices(config_type: type) -> dict[str, type[UpstreamAsset]]:
+    """The config's fields typed ``<UpstreamAsset> | None``: field name -> its enum."""
+    return {
+        name: arg
+        for name, field in config_type.model_fields.items()
+        for arg in typing.get_args(field.annotation)
+        if isinstance(arg, type) and issubclass(arg, UpstreamAsset)
+    }
+
+
 class TrainingConfig(AssetConfig):
     """Mixed into a training asset's config after its trainer's config: the pods' resources, apart."""
 
@@ -124,14 +142,14 @@ def training_asset(
     checks: Sequence[Check],
     kinds: set[str],
     description: str,
-    optional: tuple[str, str] | None = None,
     on_failure: Callable[[Launch, dg.Failure], dict[str, Any]] | None = None,
 ) -> dg.AssetsDefinition:
-    """A training asset named ``name``: reads ``source``'s artifact (and asset ``optional[0]``'s when its
-    config's step field ``optional[1]`` names it: a ``deps`` edge, so an asset that does not read it
-    neither waits for it nor rebuilds when it changes), launches ``trainer`` (a module run by ``entry_point`` on every
+    """A training asset named ``name``: reads ``source``'s artifact (and the asset an ``UpstreamAsset`` field
+    of its config names, when set: each a ``deps`` edge, so an asset that does not read it neither waits
+    for it nor rebuilds when it changes), launches ``trainer`` (a module run by ``entry_point`` on every
     process) on ``inputs(launch)``, and commits what ``finish(launch, values)`` reports; ``values`` is
     the trainer's Pipes report. ``on_failure`` may turn a failed launch into values (or raise)."""
+    choices = upstream_choices(config_type)
 
     @dg.asset(
         name=name,
@@ -142,7 +160,7 @@ def training_asset(
         retry_policy=TRAINING_RETRY,
         pool=TRAINING_POOL,
         ins={source: dg.AssetIn(source)},
-        deps=[optional[0]] if optional else None,
+        deps=[member.value for choice in choices.values() for member in choice] or None,
         check_specs=check_specs(name, checks),
     )
     def _training_asset(
@@ -155,8 +173,9 @@ def training_asset(
     ) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
         store = artifact_store.get_store()
         upstream = {source: read[source]}
-        if optional and getattr(config, optional[1]) is not None:
-            upstream[optional[0]] = upstream_ref(context, store, optional[0])
+        for field in choices:
+            if (picked := getattr(config, field)) is not None:
+                upstream[picked.value] = upstream_ref(context, store, picked.value)
         key = artifact_key(context, config, upstream)
 
         def build(staging: Path, run: TrackedRun) -> Built:
