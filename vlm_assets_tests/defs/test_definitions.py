@@ -176,6 +176,9 @@ def test_a_profile_file_that_cannot_be_read_fails_naming_the_file_and_line(tmp_p
     typo = _own_profile(tmp_path, "${offline_data}/fashion-mnist", "${ofline_data}/fashion-mnist")
     with pytest.raises(ValueError, match=r"mine.yaml: \$\{ofline_data\} is neither \$\{offline_data\} nor"):
         profile_defaults(typo)
+    (tmp_path / "latin1.yaml").write_bytes("token_shards: {text_glob: caf\u00e9}\n".encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.yaml is not UTF-8 text"):
+        profile_defaults(str(tmp_path / "latin1.yaml"))
     (tmp_path / "list.yaml").write_text("- occlusion_manifests\n")
     with pytest.raises(ValueError, match="list.yaml: expected a mapping of asset name -> field values"):
         profile_defaults(str(tmp_path / "list.yaml"))

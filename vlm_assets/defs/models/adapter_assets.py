@@ -89,7 +89,9 @@ def adapter_inputs(launch: Launch) -> dict[str, str]:
 
     config, manifests = launch.config, launch.local("occlusion_manifests")
     preflight(config, manifests)
-    backbone = str(launch.local("visualchat_model") / "model") if config.backbone_asset else config.model.backbone
+    backbone = (
+        str(launch.local(config.backbone_asset.value) / "model") if config.backbone_asset else config.model.backbone
+    )
     check_prompt_lengths(
         backbone,
         OcclusionSamples(manifests, "train", config.data.image_size, None).images.rows,

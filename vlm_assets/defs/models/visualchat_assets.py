@@ -116,7 +116,7 @@ def visualchat_inputs(launch: Launch) -> dict[str, str]:
     records fail here (FILE:N), never retried."""
     config = launch.config
     config.data.read_chat_datasets(sorted(config.data.chat_datasets), config.model.max_images)
-    decoder = str(launch.local("gpt_checkpoint") / "hf") if config.decoder_asset else config.model.decoder
+    decoder = str(launch.local(config.decoder_asset.value) / "hf") if config.decoder_asset else config.model.decoder
     return {"occlusion_manifests": str(launch.local("occlusion_manifests")), "decoder": decoder}
 
 

@@ -41,6 +41,8 @@ def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
         values = yaml.safe_load(stream)
     except KeyError as err:
         raise ValueError(f"profile {path}: ${{{err.args[0]}}} is neither ${{offline_data}} nor ${{examples}}") from None
+    except UnicodeDecodeError as err:  # a ValueError too, but not the template's
+        raise ValueError(f"profile {path} is not UTF-8 text: {err}") from None
     except ValueError as err:  # a lone $
         raise ValueError(f"profile {path}: {err} (write $$ for a $)") from None
     except yaml.YAMLError as err:
