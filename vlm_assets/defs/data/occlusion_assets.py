@@ -1,7 +1,5 @@
 """``occlusion_manifests``: images with one seeded black rectangle each, and its data-quality checks."""
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Literal, Self
 
 import dagster as dg
@@ -21,11 +19,9 @@ from vlm_assets.data.image_sources import (
 )
 from vlm_assets.data.occlusion import BoxBounds, write_occlusion_manifests
 from vlm_assets.data.preview import occlusion_preview
-from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_result, check_specs
-from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
+from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_result
+from vlm_assets.defs.platform.memo import AssetConfig, Built, Step, memoized_asset
 from vlm_assets.defs.platform.profiles import ProfileDefaults
-from vlm_assets.defs.platform.storage import ArtifactStoreResource
-from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.paths import cache_dir
 from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.run_config import step_field
@@ -164,51 +160,48 @@ def every_image_readable(judged: Judged) -> dg.AssetCheckResult:
     return check_result(occlusion_checks.images_readable(scanned), source)
 
 
-CHECKS = (boxes_within_configured_bounds, every_class_present_and_balanced, counts_match_config, every_image_readable)
+def build_manifests(step: Step) -> Built:
+    config, staging = step.config, step.staging
+    source = load_source(config, step.context.log.info)
+    bounds = config.box_bounds()
+    summary = write_occlusion_manifests(
+        source,
+        staging,
+        num_train=config.num_train,
+        num_validation=config.num_validation,
+        train_box=bounds["train"],
+        validation_box=bounds["validation"],
+        seed=config.seed,
+    )
+    splits = summary["splits"]
+    occlusion_preview(staging).save(staging / "preview.png")
+    return Built(
+        scan=occlusion_checks.scan(staging, bounds),
+        metrics={"num_train": splits["train"]["num_images"], "num_validation": splits["validation"]["num_images"]},
+        metadata={
+            "dataset": summary["name"],
+            "class_names": ", ".join(summary["class_names"]),
+            "image_size": f"{splits['train']['width']}x{splits['train']['height']}x{splits['train']['channels']}",
+        },
+        markdown={"preview": step.run.log_image(staging / "preview.png", "first training images with their boxes")},
+    )
 
 
-@dg.asset(
+occlusion_manifests = memoized_asset(
+    "occlusion_manifests",
+    description="""Images of a 10-class source, each with one seeded random black rectangle (train 22-42 %,
+    validation 28-45 % of each side by default), as ``train.jsonl`` / ``validation.jsonl`` manifests
+    (image ref, label, prompt, box in pixels) plus the clean images packed at source resolution.
+    Read them for training with ``vlm_assets.data.occlusion_dataset.OcclusionDataset``.""",
+    config_type=OcclusionManifestsConfig,
+    build=build_manifests,
+    checks=(
+        boxes_within_configured_bounds,
+        every_class_present_and_balanced,
+        counts_match_config,
+        every_image_readable,
+    ),
     code_version="2",
     kinds={"python", "numpy"},
     group_name="data",
-    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
-    check_specs=check_specs("occlusion_manifests", CHECKS),
 )
-def occlusion_manifests(
-    context: dg.AssetExecutionContext,
-    config: OcclusionManifestsConfig,
-    artifact_store: ArtifactStoreResource,
-    mlflow: MlflowTrackingResource,
-) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
-    """Images of a 10-class source, each with one seeded random black rectangle (train 22-42 %,
-    validation 28-45 % of each side by default), as ``train.jsonl`` / ``validation.jsonl`` manifests
-    (image ref, label, prompt, box in pixels) plus the clean images packed at source resolution.
-    Read them for training with ``vlm_assets.data.occlusion_dataset.OcclusionDataset``."""
-
-    def build(staging: Path, run: TrackedRun) -> Built:
-        source = load_source(config, context.log.info)
-        bounds = config.box_bounds()
-        summary = write_occlusion_manifests(
-            source,
-            staging,
-            num_train=config.num_train,
-            num_validation=config.num_validation,
-            train_box=bounds["train"],
-            validation_box=bounds["validation"],
-            seed=config.seed,
-        )
-        splits = summary["splits"]
-        preview = staging / "preview.png"
-        occlusion_preview(staging).save(preview)
-        return Built(
-            scan=occlusion_checks.scan(staging, bounds),
-            metrics={"num_train": splits["train"]["num_images"], "num_validation": splits["validation"]["num_images"]},
-            metadata={
-                "dataset": summary["name"],
-                "class_names": ", ".join(summary["class_names"]),
-                "image_size": f"{splits['train']['width']}x{splits['train']['height']}x{splits['train']['channels']}",
-            },
-            markdown={"preview": run.log_image(preview, "first training images with their boxes")},
-        )
-
-    yield from materialize_memoized(context, artifact_store, mlflow, config, build, checks=CHECKS)

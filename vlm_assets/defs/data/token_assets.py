@@ -1,17 +1,12 @@
 """``token_shards``: a GPT-2-tokenized corpus packed into fixed-length blocks as MDS shards, and its checks."""
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Literal, Self
 
 import dagster as dg
 from pydantic import Field, model_validator
 
-from vlm_assets.defs.platform.checks import Judged, check_result, check_specs
-from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
-from vlm_assets.defs.platform.storage import ArtifactStoreResource
-from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
-from vlm_assets.storage import ArtifactRef
+from vlm_assets.defs.platform.checks import Judged, check_result
+from vlm_assets.defs.platform.memo import AssetConfig, Built, Step, memoized_asset
 
 
 class TokenShardsConfig(AssetConfig):
@@ -71,62 +66,50 @@ def every_shard_readable(judged: Judged) -> dg.AssetCheckResult:
     return check_result(token_checks.shards_readable(scanned), source)
 
 
-CHECKS = (token_ids_within_vocab, token_counts_match_summary, every_shard_readable)
+def build_shards(step: Step) -> Built:
+    from vlm_assets.data import token_checks
+    from vlm_assets.data.token_shards import (
+        hf_documents,
+        load_gpt2_tokenizer,
+        paragraphs_of_files,
+        split_documents,
+        write_token_shards,
+    )
+
+    config = step.config
+    if config.source == "text_files":
+        train_docs, val_docs = split_documents(paragraphs_of_files(config.text_glob), config.val_fraction, config.seed)
+    else:
+        train_docs = hf_documents(config.hf_dataset, config.hf_config, config.hf_train_split, config.text_column)
+        val_docs = hf_documents(config.hf_dataset, config.hf_config, config.hf_val_split, config.text_column)
+    summary = write_token_shards(
+        step.staging,
+        load_gpt2_tokenizer(config.tokenizer),
+        config.tokenizer,
+        train_docs,
+        val_docs,
+        max_length=config.max_length,
+        max_train_samples=config.max_train_samples,
+        max_val_samples=config.max_val_samples,
+        size_limit=config.shard_size_limit,
+        log=step.context.log.info,
+    )
+    return Built(
+        scan=token_checks.scan(step.staging),
+        metrics={f"{split}_{k}": v for split, stats in summary["splits"].items() for k, v in stats.items()},
+        metadata={"vocab_size": summary["vocab_size"], "max_length": summary["max_length"]},
+    )
 
 
-@dg.asset(
-    code_version="1",
+token_shards = memoized_asset(
+    "token_shards",
+    description="""A text corpus tokenized with GPT-2 BPE, documents joined with EOS into blocks of
+    ``max_length`` tokens (no padding), written as MosaicML MDS shards (``train/``, ``val/``; columns
+    ``input_ids`` and ``labels`` as int32) plus the tokenizer. Stream it back with
+    ``vlm_assets.data.token_stream.build_token_dataloaders``.""",
+    config_type=TokenShardsConfig,
+    build=build_shards,
+    checks=(token_ids_within_vocab, token_counts_match_summary, every_shard_readable),
     kinds={"python", "mosaicml"},
     group_name="data",
-    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
-    check_specs=check_specs("token_shards", CHECKS),
 )
-def token_shards(
-    context: dg.AssetExecutionContext,
-    config: TokenShardsConfig,
-    artifact_store: ArtifactStoreResource,
-    mlflow: MlflowTrackingResource,
-) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
-    """A text corpus tokenized with GPT-2 BPE, documents joined with EOS into blocks of ``max_length``
-    tokens (no padding), written as MosaicML MDS shards (``train/``, ``val/``; columns ``input_ids`` and
-    ``labels`` as int32) plus the tokenizer. Stream it back with
-    ``vlm_assets.data.token_stream.build_token_dataloaders``."""
-
-    def build(staging: Path, run: TrackedRun) -> Built:
-        from vlm_assets.data import token_checks
-        from vlm_assets.data.token_shards import (
-            hf_documents,
-            load_gpt2_tokenizer,
-            paragraphs_of_files,
-            split_documents,
-            write_token_shards,
-        )
-
-        tokenizer = load_gpt2_tokenizer(config.tokenizer)
-        if config.source == "text_files":
-            train_docs, val_docs = split_documents(
-                paragraphs_of_files(config.text_glob), config.val_fraction, config.seed
-            )
-        else:
-            train_docs = hf_documents(config.hf_dataset, config.hf_config, config.hf_train_split, config.text_column)
-            val_docs = hf_documents(config.hf_dataset, config.hf_config, config.hf_val_split, config.text_column)
-        summary = write_token_shards(
-            staging,
-            tokenizer,
-            config.tokenizer,
-            train_docs,
-            val_docs,
-            max_length=config.max_length,
-            max_train_samples=config.max_train_samples,
-            max_val_samples=config.max_val_samples,
-            size_limit=config.shard_size_limit,
-            log=context.log.info,
-        )
-        splits = summary["splits"]
-        return Built(
-            scan=token_checks.scan(staging),
-            metrics={f"{split}_{k}": v for split, stats in splits.items() for k, v in stats.items()},
-            metadata={"vocab_size": summary["vocab_size"], "max_length": summary["max_length"]},
-        )
-
-    yield from materialize_memoized(context, artifact_store, mlflow, config, build, checks=CHECKS)

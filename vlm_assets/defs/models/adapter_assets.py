@@ -7,9 +7,8 @@ from pathlib import Path
 import dagster as dg
 
 from vlm_assets.defs.platform.checks import Judged
-from vlm_assets.defs.platform.launcher import numbers
-from vlm_assets.defs.platform.memo import Built
-from vlm_assets.defs.platform.training import Launch, TrainingConfig, UpstreamAsset, dagster_config, training_asset
+from vlm_assets.defs.platform.memo import Built, Step, UpstreamAsset
+from vlm_assets.defs.platform.training import TrainingConfig, dagster_config, last_try, numbers, training_asset
 from vlm_assets.paths import require_local
 from vlm_assets.storage import ArtifactStore
 from vlm_assets.train.adapter_config import AdapterTrainConfig
@@ -82,15 +81,15 @@ def adapter_weights_finite(judged: Judged) -> dg.AssetCheckResult:
     )
 
 
-def adapter_inputs(launch: Launch) -> dict[str, str]:
+def adapter_inputs(step: Step) -> dict[str, str]:
     """The manifests and the backbone the workers load, once the bad input that would fail them is refused."""
     from vlm_assets.data.occlusion_dataset import OcclusionSamples
     from vlm_assets.models.frozen_vlm import check_prompt_lengths
 
-    config, manifests = launch.config, launch.local("occlusion_manifests")
+    config, manifests = step.config, step.local("occlusion_manifests")
     preflight(config, manifests)
     backbone = (
-        str(launch.local(config.backbone_asset.value) / "model") if config.backbone_asset else config.model.backbone
+        str(step.local(config.backbone_asset.value) / "model") if config.backbone_asset else config.model.backbone
     )
     check_prompt_lengths(
         backbone,
@@ -102,20 +101,20 @@ def adapter_inputs(launch: Launch) -> dict[str, str]:
     return {"occlusion_manifests": str(manifests), "backbone": backbone}
 
 
-def partial_on_failure(launch: Launch, failure: dg.Failure) -> dict:
+def partial_on_failure(step: Step, failure: dg.Failure) -> dict:
     """On the last try, when the config asks for it, the last recovery checkpoint as a partial adapter."""
-    if not (launch.config.checkpoint.materialize_partial_on_failure and launch.last_try):
+    if not (step.config.checkpoint.materialize_partial_on_failure and last_try(step)):
         raise failure
-    launch.context.log.warning(
+    step.context.log.warning(
         f"training failed for good; materializing the last checkpoint as partial: {failure.description}"
     )
-    return partial_from_checkpoint(launch.store, f"checkpoints/{launch.key}", launch.staging)
+    return partial_from_checkpoint(step.store, f"checkpoints/{step.key}", step.staging)
 
 
-def adapter_report(launch: Launch, values: dict) -> Built:
+def adapter_report(step: Step, values: dict) -> Built:
     """``backbone.json`` (what the adapter was trained against: eval_report loads it) and the numbers."""
-    config, staging, backbone = launch.config, launch.staging, launch.inputs["backbone"]
-    with (launch.local("occlusion_manifests") / "train.jsonl").open() as rows:
+    config, staging, backbone = step.config, step.staging, step.inputs["backbone"]
+    with (step.local("occlusion_manifests") / "train.jsonl").open() as rows:
         prompt = json.loads(next(rows))["prompt"]
     (staging / "backbone.json").write_text(
         json.dumps(

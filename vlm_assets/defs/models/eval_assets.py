@@ -2,18 +2,14 @@
 (the MLflow Model Registry entry, whose ``champion`` alias moves only when the eval checks pass)."""
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
 
-from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_specs, lower_bound_check, threshold_field
-from vlm_assets.defs.platform.memo import AssetConfig, Built, materialize_memoized
+from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, lower_bound_check, threshold_field
+from vlm_assets.defs.platform.memo import AssetConfig, Built, Step, memoized_asset
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.registration import registered_model_asset
-from vlm_assets.defs.platform.storage import ArtifactStoreResource
-from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
 from vlm_assets.models import adapter_card
 from vlm_assets.storage import ArtifactRef
@@ -97,57 +93,48 @@ def adapter_gain_significant(judged: Judged) -> dg.AssetCheckResult:
     )
 
 
-CHECKS = (adapter_accuracy_meets_threshold, adapter_gain_significant)
+def build_report(step: Step) -> Built:
+    # heavy imports only when building: a cache hit needs none of them
+    from vlm_assets.data.occlusion_dataset import OcclusionSamples, class_names
+    from vlm_assets.evaluate.occlusion_eval import evaluate
+    from vlm_assets.evaluate.report import accuracy_png, data_uri, markdown_table, write_report
+
+    config, staging = step.config, step.staging
+    backbone, adapter, info, root = load_trained(step.store, step.upstream["occlusion_adapter"])
+    manifests = step.local("occlusion_manifests")
+    data = OcclusionSamples(manifests, "validation", info["image_size"], None)
+    result = evaluate(
+        backbone,
+        adapter,
+        data,
+        class_names(manifests),
+        count=config.num_samples,
+        batch_size=config.batch_size,
+        log=step.context.log.info,
+    )
+    epochs = json.loads((root / "history.json").read_text())["epochs"]
+    summary = write_report(staging, result, data, adapter, epochs, config.num_cards)
+    step.run.log_artifact(str(staging / "report.html"))
+    step.run.log_artifact(str(staging / "eval.json"))
+    return Built(
+        metrics=summary,
+        markdown={"summary": markdown_table(summary), "accuracy": f"![accuracy]({data_uri(accuracy_png(summary))})"},
+    )
 
 
-@dg.asset(
-    code_version="1", kinds={"pytorch", "html"}, group_name="models", check_specs=check_specs("eval_report", CHECKS)
+eval_report = memoized_asset(
+    "eval_report",
+    description="""Greedy decoding on the validation split: exact-match (and the seed's lenient) accuracy
+    with the adapter, without it (identity) on the same occluded images, and on the clean images;
+    per-class accuracy, confusion matrix, and ``report.html`` (self-contained: curves, tables,
+    prediction cards).""",
+    config_type=EvalReportConfig,
+    build=build_report,
+    ins=("occlusion_adapter", "occlusion_manifests"),
+    checks=(adapter_accuracy_meets_threshold, adapter_gain_significant),
+    kinds={"pytorch", "html"},
+    group_name="models",
 )
-def eval_report(
-    context: dg.AssetExecutionContext,
-    config: EvalReportConfig,
-    occlusion_adapter: ArtifactRef,
-    occlusion_manifests: ArtifactRef,
-    artifact_store: ArtifactStoreResource,
-    mlflow: MlflowTrackingResource,
-) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
-    """Greedy decoding on the validation split: exact-match (and the seed's lenient) accuracy with the
-    adapter, without it (identity) on the same occluded images, and on the clean images; per-class
-    accuracy, confusion matrix, and ``report.html`` (self-contained: curves, tables, prediction cards)."""
-    upstream = {"occlusion_adapter": occlusion_adapter, "occlusion_manifests": occlusion_manifests}
-    store = artifact_store.get_store()
-
-    def build(staging: Path, run: TrackedRun) -> Built:
-        # heavy imports only when building: a cache hit needs none of them
-        from vlm_assets.data.occlusion_dataset import OcclusionSamples, class_names
-        from vlm_assets.evaluate.occlusion_eval import evaluate
-        from vlm_assets.evaluate.report import accuracy_png, data_uri, markdown_table, write_report
-
-        backbone, adapter, info, root = load_trained(store, occlusion_adapter)
-        manifests = store.local_path(occlusion_manifests.key)
-        data = OcclusionSamples(manifests, "validation", info["image_size"], None)
-        result = evaluate(
-            backbone,
-            adapter,
-            data,
-            class_names(manifests),
-            count=config.num_samples,
-            batch_size=config.batch_size,
-            log=context.log.info,
-        )
-        epochs = json.loads((root / "history.json").read_text())["epochs"]
-        summary = write_report(staging, result, data, adapter, epochs, config.num_cards)
-        run.log_artifact(str(staging / "report.html"))
-        run.log_artifact(str(staging / "eval.json"))
-        return Built(
-            metrics=summary,
-            markdown={
-                "summary": markdown_table(summary),
-                "accuracy": f"![accuracy]({data_uri(accuracy_png(summary))})",
-            },
-        )
-
-    yield from materialize_memoized(context, artifact_store, mlflow, config, build, upstream, checks=CHECKS)
 
 
 class RegisteredAdapterConfig(AssetConfig):

@@ -15,10 +15,9 @@ import dagster as dg
 from pydantic import Field
 
 from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged
-from vlm_assets.defs.platform.launcher import numbers
-from vlm_assets.defs.platform.memo import Built
+from vlm_assets.defs.platform.memo import Built, Step
 from vlm_assets.defs.platform.profiles import ProfileDefaults
-from vlm_assets.defs.platform.training import Launch, TrainingConfig, dagster_config, training_asset
+from vlm_assets.defs.platform.training import TrainingConfig, dagster_config, numbers, training_asset
 from vlm_assets.paths import runs_dir
 from vlm_assets.storage.scratch import held_dir
 from vlm_assets.train.gpt_config import PretrainConfig
@@ -84,12 +83,12 @@ def export_reproduces_val_loss(judged: Judged) -> dg.AssetCheckResult:
     )
 
 
-def report(launch: Launch, values: dict) -> Built:
+def report(step: Step, values: dict) -> Built:
     """What the GPT trainer wrote, for the registry of runs and the UI: the loss curve against the
     uniform guess, the export's scan and the trainer's numbers."""
     from vlm_assets.train.plots import loss_curve_png
 
-    config, staging = launch.config, launch.staging
+    config, staging = step.config, step.staging
     history = json.loads((staging / "history.json").read_text())
     vocab = json.loads((staging / "hf" / "config.json").read_text())["vocab_size"]
     png = loss_curve_png(
@@ -100,14 +99,14 @@ def report(launch: Launch, values: dict) -> Built:
     )
     (staging / "loss_curve.png").write_bytes(png)
     return Built(
-        scan=export_scan(staging, launch.upstream["token_shards"].uri),
+        scan=export_scan(staging, step.upstream["token_shards"].uri),
         metrics=numbers(values),
         metadata={
             "checkpoint_key": values["checkpoint"],
             **{k: values[k] for k in ("strategy", "precision", "backend")},
             "vocab_size": vocab,
         },
-        markdown={"loss_curve": launch.run.log_image(staging / "loss_curve.png", "loss curve")},
+        markdown={"loss_curve": step.run.log_image(staging / "loss_curve.png", "loss curve")},
     )
 
 
@@ -121,7 +120,7 @@ gpt_checkpoint = training_asset(
     config_type=GPTCheckpointConfig,
     trainer="vlm_assets.train.gpt_pretrain",
     source="token_shards",
-    inputs=lambda launch: {"token_shards": launch.upstream["token_shards"].uri},
+    inputs=lambda step: {"token_shards": step.upstream["token_shards"].uri},
     finish=report,
     checks=(val_loss_beats_uniform, export_reproduces_val_loss),
     kinds={"pytorch", "lightning"},

@@ -14,12 +14,11 @@ import dagster as dg
 from pydantic import Field
 
 from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, lower_bound_check, threshold_field
-from vlm_assets.defs.platform.launcher import numbers
-from vlm_assets.defs.platform.memo import AssetConfig, Built
+from vlm_assets.defs.platform.memo import AssetConfig, Built, Step, UpstreamAsset
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.registration import registered_model_asset
 from vlm_assets.defs.platform.tracking import TrackedRun
-from vlm_assets.defs.platform.training import Launch, TrainingConfig, UpstreamAsset, dagster_config, training_asset
+from vlm_assets.defs.platform.training import TrainingConfig, dagster_config, numbers, training_asset
 from vlm_assets.models import visualchat_card
 from vlm_assets.paths import require_local
 from vlm_assets.train.run_config import step_field
@@ -111,20 +110,20 @@ def merged_equals_unmerged(judged: Judged) -> dg.AssetCheckResult:
     )
 
 
-def visualchat_inputs(launch: Launch) -> dict[str, str]:
+def visualchat_inputs(step: Step) -> dict[str, str]:
     """The manifests and the decoder (the in-graph GPT's export when the config names it); bad chat
     records fail here (FILE:N), never retried."""
-    config = launch.config
+    config = step.config
     config.data.read_chat_datasets(sorted(config.data.chat_datasets), config.model.max_images)
-    decoder = str(launch.local(config.decoder_asset.value) / "hf") if config.decoder_asset else config.model.decoder
-    return {"occlusion_manifests": str(launch.local("occlusion_manifests")), "decoder": decoder}
+    decoder = str(step.local(config.decoder_asset.value) / "hf") if config.decoder_asset else config.model.decoder
+    return {"occlusion_manifests": str(step.local("occlusion_manifests")), "decoder": decoder}
 
 
-def visualchat_report(launch: Launch, values: dict) -> Built:
+def visualchat_report(step: Step, values: dict) -> Built:
     return Built(
         metrics=numbers(values),
-        metadata={"decoder": launch.inputs["decoder"], **{k: values[k] for k in ("backend", "param_dtype")}},
-        markdown=report_markdown(launch.staging, launch.run, launch.config),
+        metadata={"decoder": step.inputs["decoder"], **{k: values[k] for k in ("backend", "param_dtype")}},
+        markdown=report_markdown(step.staging, step.run, step.config),
     )
 
 

@@ -13,7 +13,6 @@ import os
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -276,49 +275,3 @@ def _pod_log_reader():
             return True
 
     return PodLogMessageReader()
-
-
-def launch_trainer(
-    context: dg.AssetExecutionContext,
-    launcher: TrainingLauncher,
-    config: Any,
-    module: str,
-    *,
-    key: str,
-    inputs: dict[str, str],
-    staging: Path,
-    run: Any,
-    artifact_store: Any,
-    tracking_uri: str,
-) -> dict[str, Any]:
-    """The training asset's launch, written once: the run file (``config`` + ``RunPaths``: ``inputs``,
-    ``staging`` as the output, checkpoints under ``checkpoints/<key>`` in the artifact store, the
-    asset's MLflow run) in a scratch folder, ``module`` launched on the config's topology, and the
-    trainer's one Pipes report returned as plain values."""
-    from vlm_assets.paths import runs_dir
-    from vlm_assets.storage.scratch import held_dir
-    from vlm_assets.train.run_config import RunPaths, write_run_file
-
-    name = context.asset_key.to_user_string()
-    launcher.delete_leftovers(context)  # before the sweep of dead scratch below: nothing writes it back
-    with held_dir(runs_dir(), prefix=f"{name}-") as work:  # removed even if this process is killed
-        paths = RunPaths(
-            inputs=inputs,
-            out_dir=str(staging),
-            cache_dir=str(work),
-            checkpoint_store=artifact_store.spec(),
-            checkpoint_prefix=f"checkpoints/{key}",
-            mlflow_tracking_uri=tracking_uri,
-            mlflow_run_id=run.run_id,
-        )
-        write_run_file(work / "run.json", config, paths)
-        spec = config.launch_spec(module, ("--config", str(work / "run.json")), name, config.resources.requests())
-        reports = launcher.launch(context, spec)
-    if len(reports) != 1:
-        raise RuntimeError(f"the trainer reported {len(reports)} materializations through Pipes, expected 1")
-    return {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}
-
-
-def numbers(values: dict[str, Any]) -> dict[str, float]:
-    """The numeric values of a trainer's report: its metrics for MLflow and the asset's metadata."""
-    return {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}

@@ -16,8 +16,11 @@ schedule tick and a UI launch) waits and then reuses the artifact, or fails at o
 import _thread
 import contextlib
 import dataclasses
+import enum
+import inspect
 import threading
 import time
+import typing
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -26,7 +29,7 @@ from typing import Any
 import dagster as dg
 import pydantic
 
-from vlm_assets.defs.platform.checks import Check, Judged, judge
+from vlm_assets.defs.platform.checks import Check, Judged, check_specs, judge
 from vlm_assets.defs.platform.launcher import run_canceled
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.reaper import fail_dead_run
@@ -37,6 +40,10 @@ from vlm_assets.memo import cache_key
 from vlm_assets.storage import ArtifactRef, ArtifactStore
 from vlm_assets.storage.lease import Lease, holder_record
 from vlm_assets.train.run_config import Settings, describe_validation_error
+
+# Dagster's retry of a build that is not a training (a download, a registry call); errors the user
+# caused fail without retries (``bad_input_fails_fast``).
+BUILD_RETRY = dg.RetryPolicy(max_retries=2, delay=5)
 
 
 class AssetConfig(ProfileDefaults, Settings, dg.Config):
@@ -87,6 +94,22 @@ def artifact_key(context: dg.AssetExecutionContext, config: dg.Config, upstream:
     return f"{name}/{cache_key(name, code_version, config.identity(), versions)}"
 
 
+class UpstreamAsset(enum.Enum):
+    """The type of a config field that may name an asset of this graph to read (its members are asset names):
+    ``decoder_asset: DecoderAsset | None``. ``memoized_asset`` makes each member a ``deps`` edge and reads
+    the named asset's artifact when the field is set, so the choice is declared once, by the config."""
+
+
+def upstream_choices(config_type: type) -> dict[str, type[UpstreamAsset]]:
+    """The config's fields typed ``<UpstreamAsset> | None``: field name -> its enum."""
+    return {
+        name: arg
+        for name, field in config_type.model_fields.items()
+        for arg in typing.get_args(field.annotation)
+        if isinstance(arg, type) and issubclass(arg, UpstreamAsset)
+    }
+
+
 def upstream_ref(context: dg.AssetExecutionContext, store: ArtifactStore, asset: str) -> ArtifactRef:
     """How an asset reads an upstream it names in ``deps`` (an edge it reads only when its config says
     so): the artifact of ``asset``'s materialization in this run if it has one, else of its latest.
@@ -105,6 +128,85 @@ def upstream_ref(context: dg.AssetExecutionContext, store: ArtifactStore, asset:
             f"in this store: materialize {asset} first (main_job does)"
         )
     return store.ref(key.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One build of a memoized asset, as its build function sees it: the artifact's ``key``, the empty
+    ``staging`` folder it fills and the MLflow ``run`` it logs to."""
+
+    context: dg.AssetExecutionContext
+    config: Any
+    store: ArtifactStore
+    upstream: dict[str, ArtifactRef]
+    key: str
+    staging: Path
+    run: TrackedRun
+    inputs: dict[str, str] = dataclasses.field(default_factory=dict)  # what a training asset's ``inputs`` resolved
+
+    def local(self, upstream: str) -> Path:
+        """An upstream artifact's directory on local disk (downloaded once if the store is remote)."""
+        return self.store.local_path(self.upstream[upstream].key)
+
+
+def memoized_asset(
+    name: str,
+    *,
+    config_type: type,
+    build: Callable[[Step], Built],
+    description: str,
+    ins: Sequence[str] = (),
+    checks: Sequence[Check] = (),
+    code_version: str = "1",
+    retry_policy: dg.RetryPolicy = BUILD_RETRY,
+    interrupt_when_canceled: bool = True,
+    resources: Sequence[str] = (),
+    **asset_args: Any,
+) -> dg.AssetsDefinition:
+    """An asset named ``name`` whose body is ``build(step)``, memoized (``materialize_memoized``): it reads
+    the artifacts of ``ins`` (inputs named after their assets) and of the asset an ``UpstreamAsset`` field
+    of its config names, when set (each member a ``deps`` edge, so an asset that does not read it neither
+    waits for it nor rebuilds when it changes); ``checks`` run in its step; ``build`` finds the
+    ``resources`` it names (beside the artifact store and MLflow) on its context. ``asset_args`` go to ``dg.asset``."""
+    choices = upstream_choices(config_type)
+
+    @dg.asset(
+        name=name,
+        description=inspect.cleandoc(description),
+        code_version=code_version,
+        retry_policy=retry_policy,
+        ins={source: dg.AssetIn(source) for source in ins},
+        deps=[member.value for choice in choices.values() for member in choice] or None,
+        check_specs=check_specs(name, checks),
+        # by key, not as typed parameters: a factory's function cannot add ``resources`` to its signature
+        required_resource_keys={"artifact_store", "mlflow", *resources},
+        **asset_args,
+    )
+    def _memoized_asset(
+        context: dg.AssetExecutionContext,
+        config: config_type,  # type: ignore[valid-type]  # Dagster reads the config schema from this annotation
+        **read: ArtifactRef,  # the inputs, named after their assets (``ins``)
+    ) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
+        artifact_store, mlflow = context.resources.artifact_store, context.resources.mlflow
+        store, upstream = artifact_store.get_store(), dict(read)
+        with bad_input_fails_fast():
+            for field in choices:
+                if (picked := getattr(config, field)) is not None:
+                    upstream[picked.value] = upstream_ref(context, store, picked.value)
+        key = artifact_key(context, config, upstream)
+        yield from materialize_memoized(
+            context,
+            artifact_store,
+            mlflow,
+            config,
+            lambda staging, run: build(Step(context, config, store, upstream, key, staging, run)),
+            upstream,
+            checks=checks,
+            key=key,
+            interrupt_when_canceled=interrupt_when_canceled,
+        )
+
+    return _memoized_asset
 
 
 def materialize_memoized(

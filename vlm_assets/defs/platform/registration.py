@@ -11,6 +11,7 @@ from typing import Any
 
 import dagster as dg
 
+from vlm_assets.defs.platform.memo import BUILD_RETRY
 from vlm_assets.defs.platform.storage import ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 from vlm_assets.storage import ArtifactRef
@@ -41,7 +42,7 @@ def registered_model_asset(
         kinds={"mlflow"},
         group_name="models",
         deps=deps,
-        retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+        retry_policy=BUILD_RETRY,
         ins={source: dg.AssetIn(source)},
     )
     def _registered_model(

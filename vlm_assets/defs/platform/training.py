@@ -9,24 +9,17 @@ launch -> materialization, as in Dagster's Pipes examples.
 """
 
 import dataclasses
-import enum
-import inspect
-import typing
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import dagster as dg
 import pydantic
 from pydantic import Field
 
-from vlm_assets.defs.platform.checks import Check, check_specs
-from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher, launch_trainer
-from vlm_assets.defs.platform.memo import AssetConfig, Built, artifact_key, materialize_memoized, upstream_ref
-from vlm_assets.defs.platform.storage import ArtifactStoreResource
-from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
+from vlm_assets.defs.platform.checks import Check
+from vlm_assets.defs.platform.launcher import TRAINING_POOL, TrainingLauncher
+from vlm_assets.defs.platform.memo import AssetConfig, Built, Step, memoized_asset
 from vlm_assets.launch.spec import QUANTITY
-from vlm_assets.storage import ArtifactRef, ArtifactStore
 from vlm_assets.train.run_config import RunConfig, Settings, step_field
 
 # Dagster's retry of a training step (the one layer that retries: README "one retry rule"). A retry
@@ -85,22 +78,6 @@ def dagster_config(config: type[RunConfig]) -> type:
     return twin(config)
 
 
-class UpstreamAsset(enum.Enum):
-    """The type of a step field that may name a model of this graph to read (its members are asset names):
-    ``decoder_asset: DecoderAsset | None``. ``training_asset`` makes each member a ``deps`` edge and reads
-    the named asset's artifact when the field is set, so the choice is declared once, by the config."""
-
-
-def upstream_choices(config_type: type) -> dict[str, type[UpstreamAsset]]:
-    """The config's fields typed ``<UpstreamAsset> | None``: field name -> its enum."""
-    return {
-        name: arg
-        for name, field in config_type.model_fields.items()
-        for arg in typing.get_args(field.annotation)
-        if isinstance(arg, type) and issubclass(arg, UpstreamAsset)
-    }
-
-
 class TrainingConfig(AssetConfig):
     """Mixed into a training asset's config after its trainer's config: the pods' resources, apart."""
 
@@ -109,107 +86,86 @@ class TrainingConfig(AssetConfig):
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    """One build of a training asset, as its ``inputs`` and ``finish`` see it."""
-
-    context: dg.AssetExecutionContext
-    config: Any
-    store: ArtifactStore
-    upstream: dict[str, ArtifactRef]
-    key: str
-    staging: Path
-    run: TrackedRun
-    inputs: dict[str, str] = dataclasses.field(default_factory=dict)  # what ``inputs`` resolved
-
-    def local(self, upstream: str) -> Path:
-        """An upstream artifact's directory on local disk (downloaded once if the store is remote)."""
-        return self.store.local_path(self.upstream[upstream].key)
-
-    @property
-    def last_try(self) -> bool:
-        return self.context.retry_number >= TRAINING_RETRY.max_retries
-
-
 def training_asset(
     name: str,
     *,
     config_type: type,
     trainer: str,
     source: str,
-    inputs: Callable[[Launch], dict[str, str]],
-    finish: Callable[[Launch, dict[str, Any]], Built],
+    inputs: Callable[[Step], dict[str, str]],
+    finish: Callable[[Step, dict[str, Any]], Built],
     checks: Sequence[Check],
     kinds: set[str],
     description: str,
-    on_failure: Callable[[Launch, dg.Failure], dict[str, Any]] | None = None,
+    on_failure: Callable[[Step, dg.Failure], dict[str, Any]] | None = None,
 ) -> dg.AssetsDefinition:
-    """A training asset named ``name``: reads ``source``'s artifact (and the asset an ``UpstreamAsset`` field
-    of its config names, when set: each a ``deps`` edge, so an asset that does not read it neither waits
-    for it nor rebuilds when it changes), launches ``trainer`` (a module run by ``entry_point`` on every
-    process) on ``inputs(launch)``, and commits what ``finish(launch, values)`` reports; ``values`` is
-    the trainer's Pipes report. ``on_failure`` may turn a failed launch into values (or raise)."""
-    choices = upstream_choices(config_type)
+    """A training asset named ``name`` (a ``memoized_asset`` reading ``source``, in the training pool):
+    launches ``trainer`` (a module run by ``entry_point`` on every process) on ``inputs(step)``, and
+    commits what ``finish(step, values)`` reports; ``values`` is the trainer's Pipes report.
+    ``on_failure`` may turn a failed launch into values (or raise)."""
 
-    @dg.asset(
-        name=name,
-        description=inspect.cleandoc(description),
-        code_version="1",
+    def build(step: Step) -> Built:
+        step = dataclasses.replace(step, inputs=inputs(step))
+        try:
+            values = launch_trainer(step, trainer)
+        except dg.Failure as failure:
+            if on_failure is None:
+                raise
+            values = on_failure(step, failure)
+        return finish(step, values)
+
+    return memoized_asset(
+        name,
+        config_type=config_type,
+        build=build,
+        description=description,
+        ins=(source,),
+        checks=checks,
+        retry_policy=TRAINING_RETRY,
+        interrupt_when_canceled=False,  # the launch asks itself, and stops its workers or pods in order
         kinds=kinds,
         group_name="models",
-        retry_policy=TRAINING_RETRY,
         pool=TRAINING_POOL,
-        ins={source: dg.AssetIn(source)},
-        deps=[member.value for choice in choices.values() for member in choice] or None,
-        check_specs=check_specs(name, checks),
+        resources=("launcher",),
     )
-    def _training_asset(
-        context: dg.AssetExecutionContext,
-        config: config_type,  # type: ignore[valid-type]  # Dagster reads the config schema from this annotation
-        artifact_store: ArtifactStoreResource,
-        mlflow: MlflowTrackingResource,
-        launcher: TrainingLauncher,
-        **read: ArtifactRef,  # the one input, named after its asset (``ins``)
-    ) -> Iterator[dg.Output[ArtifactRef] | dg.AssetCheckResult]:
-        store = artifact_store.get_store()
-        upstream = {source: read[source]}
-        for field in choices:
-            if (picked := getattr(config, field)) is not None:
-                upstream[picked.value] = upstream_ref(context, store, picked.value)
-        key = artifact_key(context, config, upstream)
 
-        def build(staging: Path, run: TrackedRun) -> Built:
-            launch = Launch(context, config, store, upstream, key, staging, run)
-            launch = dataclasses.replace(launch, inputs=inputs(launch))
-            try:
-                values = launch_trainer(
-                    context,
-                    launcher,
-                    config,
-                    trainer,
-                    key=key,
-                    inputs=launch.inputs,
-                    staging=staging,
-                    run=run,
-                    artifact_store=artifact_store,
-                    tracking_uri=mlflow.tracking_uri,
-                )
-            except dg.Failure as failure:
-                if on_failure is None:
-                    raise
-                values = on_failure(launch, failure)
-            return finish(launch, values)
 
-        yield from materialize_memoized(
-            context,
-            artifact_store,
-            mlflow,
-            config,
-            build,
-            upstream,
-            checks=checks,
-            key=key,
-            interrupt_when_canceled=False,
+def launch_trainer(step: Step, module: str) -> dict[str, Any]:
+    """The training asset's launch: the run file (the config + ``RunPaths``: the resolved inputs, the
+    staging folder as the output, checkpoints under ``checkpoints/<key>`` in the artifact store, the
+    asset's MLflow run) in a scratch folder, ``module`` launched on the config's topology by the
+    ``launcher`` resource, and the trainer's one Pipes report returned as plain values."""
+    from vlm_assets.paths import runs_dir
+    from vlm_assets.storage.scratch import held_dir
+    from vlm_assets.train.run_config import RunPaths, write_run_file
+
+    context, config = step.context, step.config
+    launcher: TrainingLauncher = context.resources.launcher
+    name = context.asset_key.to_user_string()
+    launcher.delete_leftovers(context)  # before the sweep of dead scratch below: nothing writes it back
+    with held_dir(runs_dir(), prefix=f"{name}-") as work:  # removed even if this process is killed
+        paths = RunPaths(
+            inputs=step.inputs,
+            out_dir=str(step.staging),
+            cache_dir=str(work),
+            checkpoint_store=context.resources.artifact_store.spec(),
+            checkpoint_prefix=f"checkpoints/{step.key}",
+            mlflow_tracking_uri=context.resources.mlflow.tracking_uri,
+            mlflow_run_id=step.run.run_id,
         )
+        write_run_file(work / "run.json", config, paths)
+        spec = config.launch_spec(module, ("--config", str(work / "run.json")), name, config.resources.requests())
+        reports = launcher.launch(context, spec)
+    if len(reports) != 1:
+        raise RuntimeError(f"the trainer reported {len(reports)} materializations through Pipes, expected 1")
+    return {k: getattr(v, "value", v) for k, v in (reports[0].metadata or {}).items()}
 
-    return _training_asset
+
+def numbers(values: dict[str, Any]) -> dict[str, float]:
+    """The numeric values of a trainer's report: its metrics for MLflow and the asset's metadata."""
+    return {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
+
+
+def last_try(step: Step) -> bool:
+    """Whether this attempt of the training step is its last under ``TRAINING_RETRY``."""
+    return step.context.retry_number >= TRAINING_RETRY.max_retries
