@@ -195,6 +195,40 @@ def load_image_folder(
     return ImageSource(root.name, class_names, *splits)
 
 
+def load_source(
+    kind: str,
+    uri: str | None,
+    downloads: Path,
+    *,
+    md5: str | None = None,
+    resize_to: int | None = None,
+    validation_fraction: float = 0.1,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> ImageSource:
+    """The images of ``kind`` (``cifar10``: the python tarball, its md5 checked; ``fashion_mnist``: the idx
+    files; ``image_folder``) at ``uri`` (a URL or a local path; unset: the official one), downloaded
+    into ``downloads`` once."""
+    from vlm_assets.data.download import fetch
+
+    if kind == "cifar10":
+        uri = uri or CIFAR10_URL
+        return load_cifar10_tarball(
+            fetch(uri, downloads, md5=md5 or (CIFAR10_MD5 if uri == CIFAR10_URL else None), log=log)
+        )
+    if kind == "fashion_mnist":
+        uri = uri or FASHION_MNIST_URL
+        if uri.startswith(("http://", "https://")):
+            files = [fetch(uri.rstrip("/") + "/" + name, downloads, log=log) for name in fashion_mnist_files()]
+            return load_fashion_mnist(files[0].parent)
+        return load_fashion_mnist(fetch(uri, downloads))
+    if uri is None:
+        raise ValueError("an image_folder source needs its folder (source_uri)")
+    return load_image_folder(
+        fetch(uri, downloads), resize_to=resize_to, validation_fraction=validation_fraction, seed=seed, log=log
+    )
+
+
 def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(kept, held-out) sorted indices: ``round(fraction x n_c)`` of each class held out, at least one."""
     if not 0 < fraction < 1:

@@ -6,17 +6,7 @@ import dagster as dg
 from pydantic import Field, model_validator
 
 from vlm_assets.data import occlusion_checks
-from vlm_assets.data.download import fetch
-from vlm_assets.data.image_sources import (
-    CIFAR10_MD5,
-    CIFAR10_URL,
-    FASHION_MNIST_URL,
-    ImageSource,
-    fashion_mnist_files,
-    load_cifar10_tarball,
-    load_fashion_mnist,
-    load_image_folder,
-)
+from vlm_assets.data.image_sources import load_source
 from vlm_assets.data.occlusion import BoxBounds, write_occlusion_manifests
 from vlm_assets.data.preview import occlusion_preview
 from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_result
@@ -99,27 +89,6 @@ class OcclusionManifestsConfig(AssetConfig):
         return self
 
 
-def load_source(config: OcclusionManifestsConfig, log) -> ImageSource:
-    downloads = cache_dir() / "downloads"
-    if config.source == "cifar10":
-        uri = config.source_uri or CIFAR10_URL
-        md5 = config.source_md5 or (CIFAR10_MD5 if uri == CIFAR10_URL else None)
-        return load_cifar10_tarball(fetch(uri, downloads, md5=md5, log=log))
-    if config.source == "fashion_mnist":
-        uri = config.source_uri or FASHION_MNIST_URL
-        if uri.startswith(("http://", "https://")):
-            files = [fetch(uri.rstrip("/") + "/" + name, downloads, log=log) for name in fashion_mnist_files()]
-            return load_fashion_mnist(files[0].parent)
-        return load_fashion_mnist(fetch(uri, downloads))
-    return load_image_folder(
-        fetch(config.source_uri, downloads),
-        resize_to=config.resize_to,
-        validation_fraction=config.validation_fraction,
-        seed=config.seed,
-        log=log,
-    )
-
-
 def _scan(judged: Judged) -> tuple[dict, str]:
     bounds = _config(judged.ref).box_bounds()
     return judged.scan(lambda root: occlusion_checks.scan(root, bounds))
@@ -162,7 +131,16 @@ def every_image_readable(judged: Judged) -> dg.AssetCheckResult:
 
 def build_manifests(step: Step) -> Built:
     config, staging = step.config, step.staging
-    source = load_source(config, step.context.log.info)
+    source = load_source(
+        config.source,
+        config.source_uri,
+        cache_dir() / "downloads",
+        md5=config.source_md5,
+        resize_to=config.resize_to,
+        validation_fraction=config.validation_fraction,
+        seed=config.seed,
+        log=step.context.log.info,
+    )
     bounds = config.box_bounds()
     summary = write_occlusion_manifests(
         source,

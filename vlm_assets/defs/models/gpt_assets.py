@@ -1,11 +1,4 @@
-"""``gpt_checkpoint``: a GPT-2-style model pretrained from scratch on ``token_shards``, and its checks.
-
-The asset is thin: its config *is* a ``PretrainConfig``; it writes that and the launch's paths into a
-run file, lets the launcher run ``vlm_assets.train.gpt_pretrain`` on every process of every node, and
-commits what rank 0 wrote. Checkpoints go to the artifact store under ``checkpoints/<cache key>/`` while
-it trains; the key hashes only identity fields, so a retry, or a rerun with a longer timeout or another
-topology, resumes from the newest intact one.
-"""
+"""``gpt_checkpoint``: a GPT-2-style model pretrained from scratch on ``token_shards``, and its checks."""
 
 import json
 import math

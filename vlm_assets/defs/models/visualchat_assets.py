@@ -1,11 +1,6 @@
 """``visualchat_model`` -> ``registered_visualchat``: a vision encoder joined to an LLM decoder with LoRA,
-trained under DeepSpeed ZeRO on the clean manifests (VQA and two-image conversations) and chat-messages
-datasets, merged, exported and evaluated; registered as ``visualchat@champion`` only when its checks pass.
-
-The asset is thin, like ``gpt_checkpoint``: its config *is* a ``VisualChatTrainConfig``; it writes that
-and the launch's paths into a run file, lets the launcher run ``vlm_assets.train.visualchat_train`` on
-every process, and commits what rank 0 wrote.
-"""
+trained under DeepSpeed ZeRO (``training_asset``), merged, exported and evaluated; registered as
+``visualchat@champion`` only when its checks pass."""
 
 import json
 from pathlib import Path
