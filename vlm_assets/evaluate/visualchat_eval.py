@@ -96,3 +96,14 @@ def two_image_conversation(model: VisualChatModel, manifests: Path, split: str =
         if follow_up:
             messages.append({"role": "user", "content": follow_up})
     return messages
+
+
+def conversation_markdown(messages: list[dict]) -> str:
+    """A conversation (chat messages, an image part shown as ``[image]``) as a markdown table."""
+    lines = ["| role | message |", "|---|---|"]
+    for message in messages:
+        content = message["content"]
+        if not isinstance(content, str):
+            content = " ".join("[image]" if p["type"] == "image" else p["text"] for p in content)
+        lines.append(f"| {message['role']} | {content.replace('|', '/')} |")
+    return "\n".join(lines)

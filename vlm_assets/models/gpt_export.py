@@ -5,6 +5,7 @@ The architecture is GPT-2's, so the export is loadable by anyone with ``transfor
 ``Conv1D`` (weights stored as (in, out)), hence the transposes; the padded vocabulary rows are dropped.
 """
 
+import json
 import shutil
 from pathlib import Path
 
@@ -84,3 +85,16 @@ def hf_loss(export_dir: Path, batch: dict[str, torch.Tensor]) -> float:
     model = GPT2LMHeadModel.from_pretrained(export_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return float(model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+
+
+def export_scan(root: Path, shards_uri: str) -> dict[str, float]:
+    """The export's loss on the trainer's fixed validation batch, loaded with ``transformers`` alone,
+    beside the trainer's own (``reference.json``): computed once when built, recorded in the manifest."""
+    from vlm_assets.data.token_stream import reference_batch
+    from vlm_assets.paths import runs_dir
+    from vlm_assets.storage.scratch import held_dir
+
+    expected = json.loads((root / "reference.json").read_text())
+    with held_dir(runs_dir()) as tmp:
+        batch = reference_batch(shards_uri, expected["num_samples"], tmp)
+        return {"export_loss": hf_loss(root / "hf", batch), "trainer_loss": expected["val_batch_loss"]}

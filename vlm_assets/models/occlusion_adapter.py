@@ -61,3 +61,23 @@ def load_adapter(weights: str | Path, info_file: str | Path) -> tuple[OcclusionA
     adapter = OcclusionAdapter(steps=info.get("adapter_steps", 1))
     adapter.load_state_dict(load_file(str(weights)))
     return adapter.eval(), info
+
+
+def load_trained(root: Path):
+    """(frozen backbone, adapter, its ``backbone.json``) of an ``occlusion_adapter`` artifact's folder."""
+    from vlm_assets.models.frozen_vlm import load_backbone
+
+    adapter, info = load_adapter(root / "adapter.safetensors", root / "backbone.json")
+    return load_backbone(info["backbone"], max_length=info["max_length"]), adapter, info
+
+
+def weights_scan(root: Path) -> dict:
+    """Which adapter weights hold non-finite values, the gate and the parameter count (at build time)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(root / "adapter.safetensors"))
+    return {
+        "non_finite": [name for name, t in weights.items() if not torch.isfinite(t).all()],
+        "gate": float(weights["gate"]),
+        "num_parameters": sum(t.numel() for t in weights.values()),
+    }

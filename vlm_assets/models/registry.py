@@ -56,6 +56,14 @@ class Registration:
     action: str  # "registered" | "alias moved" | "already current"
 
 
+def combined_sha256(files: dict[str, dict], under: str = "") -> str:
+    """One sha256 for the files of a manifest (path -> {"sha256": ...}) whose path starts with ``under``."""
+    import hashlib
+
+    lines = "".join(f"{path}:{f['sha256']}\n" for path, f in sorted(files.items()) if path.startswith(under))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
 def register_once(
     client, name: str, alias: str, weights_sha256: str, log_model: Callable[[], Any], description: str
 ) -> Registration:

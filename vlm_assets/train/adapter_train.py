@@ -23,9 +23,10 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 from vlm_assets.data.occlusion_dataset import OcclusionSamples, collate
+from vlm_assets.storage import ArtifactStore
 from vlm_assets.train.adapter_config import AdapterTrainConfig
 from vlm_assets.train.adapter_module import AdapterModule
-from vlm_assets.train.checkpoints import CHECKPOINT_NAME, StoreCheckpointIO
+from vlm_assets.train.checkpoints import CHECKPOINT_NAME, StoreCheckpointIO, latest_checkpoint
 from vlm_assets.train.deepspeed_store import deepspeed_strategy
 from vlm_assets.train.entry import TrainerRun, backend, entry_point
 from vlm_assets.train.reporting import Reporter, process_group_backend
@@ -169,6 +170,24 @@ def train(run: TrainerRun[AdapterTrainConfig]) -> None:
             }
         )
     trainer.strategy.barrier("adapter written")
+
+
+def partial_from_checkpoint(store: ArtifactStore, prefix: str, staging: Path) -> dict:
+    """The adapter weights and history of the newest intact recovery checkpoint, written like a result."""
+    found = latest_checkpoint(store, prefix, lambda message: None)
+    if found is None:
+        raise RuntimeError(f"training failed before its first recovery checkpoint under {prefix}")
+    checkpoint = torch.load(found[1], map_location="cpu", weights_only=False)
+    weights = {k.removeprefix("adapter."): v.contiguous() for k, v in checkpoint["state_dict"].items()}
+    save_file(weights, str(staging / "adapter.safetensors"))
+    epochs = checkpoint["callbacks"]["EpochHistory"]["epochs"]
+    (staging / "history.json").write_text(json.dumps({"epochs": epochs, "resumed_from_epoch": None, "partial": True}))
+    return {
+        "epochs": len(epochs),
+        "gate": float(weights["gate"]),
+        "resumed_from_epoch": -1,
+        **{k.replace("/", "_"): v for k, v in epochs[-1].items() if isinstance(v, float)},
+    }
 
 
 main = entry_point(AdapterTrainConfig, train)

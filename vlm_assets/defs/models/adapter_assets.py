@@ -10,7 +10,6 @@ from vlm_assets.defs.platform.checks import Judged
 from vlm_assets.defs.platform.memo import Built, Step, UpstreamAsset
 from vlm_assets.defs.platform.training import TrainingConfig, dagster_config, last_try, numbers, training_asset
 from vlm_assets.paths import require_local
-from vlm_assets.storage import ArtifactStore
 from vlm_assets.train.adapter_config import AdapterTrainConfig
 from vlm_assets.train.run_config import step_field
 
@@ -56,22 +55,11 @@ def adapter_training_complete(judged: Judged) -> dg.AssetCheckResult:
     )
 
 
-def weights_scan(root: Path) -> dict:
-    """Which adapter weights hold non-finite values, the gate and the parameter count (at build time)."""
-    import torch
-    from safetensors.torch import load_file
-
-    weights = load_file(str(root / "adapter.safetensors"))
-    return {
-        "non_finite": [name for name, t in weights.items() if not torch.isfinite(t).all()],
-        "gate": float(weights["gate"]),
-        "num_parameters": sum(t.numel() for t in weights.values()),
-    }
-
-
 def adapter_weights_finite(judged: Judged) -> dg.AssetCheckResult:
     """The gate and every adapter weight are finite (read when built; on a hit, judged from that
     record after a size check: ``defs/platform/checks.py``)."""
+    from vlm_assets.models.occlusion_adapter import weights_scan
+
     scanned, source = judged.scan(weights_scan)
     bad = scanned["non_finite"]
     return dg.AssetCheckResult(
@@ -108,11 +96,15 @@ def partial_on_failure(step: Step, failure: dg.Failure) -> dict:
     step.context.log.warning(
         f"training failed for good; materializing the last checkpoint as partial: {failure.description}"
     )
+    from vlm_assets.train.adapter_train import partial_from_checkpoint
+
     return partial_from_checkpoint(step.store, f"checkpoints/{step.key}", step.staging)
 
 
 def adapter_report(step: Step, values: dict) -> Built:
     """``backbone.json`` (what the adapter was trained against: eval_report loads it) and the numbers."""
+    from vlm_assets.models import occlusion_adapter
+
     config, staging, backbone = step.config, step.staging, step.inputs["backbone"]
     with (step.local("occlusion_manifests") / "train.jsonl").open() as rows:
         prompt = json.loads(next(rows))["prompt"]
@@ -135,7 +127,7 @@ def adapter_report(step: Step, values: dict) -> Built:
             "partial": partial,
             **{k: values[k] for k in ("strategy", "precision", "backend") if k in values},  # a partial has none
         },
-        scan=weights_scan(staging),
+        scan=occlusion_adapter.weights_scan(staging),
     )
 
 
@@ -155,26 +147,3 @@ occlusion_adapter = training_asset(
     checks=(adapter_training_complete, adapter_weights_finite),
     kinds={"pytorch", "lightning"},
 )
-
-
-def partial_from_checkpoint(store: ArtifactStore, prefix: str, staging: Path) -> dict:
-    """The adapter weights and history of the newest intact recovery checkpoint, written like a result."""
-    import torch
-    from safetensors.torch import save_file
-
-    from vlm_assets.train.checkpoints import latest_checkpoint
-
-    found = latest_checkpoint(store, prefix, lambda message: None)
-    if found is None:
-        raise RuntimeError(f"training failed before its first recovery checkpoint under {prefix}")
-    checkpoint = torch.load(found[1], map_location="cpu", weights_only=False)
-    weights = {k.removeprefix("adapter."): v.contiguous() for k, v in checkpoint["state_dict"].items()}
-    save_file(weights, str(staging / "adapter.safetensors"))
-    epochs = checkpoint["callbacks"]["EpochHistory"]["epochs"]
-    (staging / "history.json").write_text(json.dumps({"epochs": epochs, "resumed_from_epoch": None, "partial": True}))
-    return {
-        "epochs": len(epochs),
-        "gate": float(weights["gate"]),
-        "resumed_from_epoch": -1,
-        **{k.replace("/", "_"): v for k, v in epochs[-1].items() if isinstance(v, float)},
-    }

@@ -12,7 +12,6 @@ from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.registration import registered_model_asset
 from vlm_assets.evaluate.stats import MIN_PAIRS, small_sample_note
 from vlm_assets.models import adapter_card
-from vlm_assets.storage import ArtifactRef
 from vlm_assets.train.run_config import step_field
 
 
@@ -40,16 +39,6 @@ class EvalReportConfig(AssetConfig):
     batch_size: int = Field(default=16, ge=1, description="Images per batched greedy decode.")
     num_cards: int = Field(default=24, ge=0, description="Prediction cards in the HTML report.")
     checks: EvalChecksConfig = step_field(CHECKS_SECTION, default_factory=EvalChecksConfig)
-
-
-def load_trained(store, adapter_ref: ArtifactRef):
-    from vlm_assets.models.frozen_vlm import load_backbone
-    from vlm_assets.models.occlusion_adapter import load_adapter
-
-    root = store.local_path(adapter_ref.key)
-    adapter, info = load_adapter(root / "adapter.safetensors", root / "backbone.json")
-    backbone = load_backbone(info["backbone"], max_length=info["max_length"])
-    return backbone, adapter, info, root
 
 
 def adapter_accuracy_meets_threshold(judged: Judged) -> dg.AssetCheckResult:
@@ -98,9 +87,11 @@ def build_report(step: Step) -> Built:
     from vlm_assets.data.occlusion_dataset import OcclusionSamples, class_names
     from vlm_assets.evaluate.occlusion_eval import evaluate
     from vlm_assets.evaluate.report import accuracy_png, data_uri, markdown_table, write_report
+    from vlm_assets.models.occlusion_adapter import load_trained
 
     config, staging = step.config, step.staging
-    backbone, adapter, info, root = load_trained(step.store, step.upstream["occlusion_adapter"])
+    root = step.local("occlusion_adapter")
+    backbone, adapter, info = load_trained(root)
     manifests = step.local("occlusion_manifests")
     data = OcclusionSamples(manifests, "validation", info["image_size"], None)
     result = evaluate(

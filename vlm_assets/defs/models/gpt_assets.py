@@ -2,7 +2,6 @@
 
 import json
 import math
-from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
@@ -11,8 +10,6 @@ from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged
 from vlm_assets.defs.platform.memo import Built, Step
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.training import TrainingConfig, dagster_config, numbers, training_asset
-from vlm_assets.paths import runs_dir
-from vlm_assets.storage.scratch import held_dir
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.run_config import step_field
 
@@ -50,22 +47,12 @@ def val_loss_beats_uniform(judged: Judged) -> dg.AssetCheckResult:
     )
 
 
-def export_scan(root: Path, shards_uri: str) -> dict[str, float]:
-    """The export's loss on the trainer's fixed validation batch, loaded with ``transformers`` alone,
-    beside the trainer's own (``reference.json``): computed once when built, recorded in the manifest."""
-    from vlm_assets.data.token_stream import reference_batch
-    from vlm_assets.models.gpt_export import hf_loss
-
-    expected = json.loads((root / "reference.json").read_text())
-    with held_dir(runs_dir()) as tmp:
-        batch = reference_batch(shards_uri, expected["num_samples"], tmp)
-        return {"export_loss": hf_loss(root / "hf", batch), "trainer_loss": expected["val_batch_loss"]}
-
-
 def export_reproduces_val_loss(judged: Judged) -> dg.AssetCheckResult:
     """The Hugging Face export, loaded with ``transformers`` alone (``GPT2LMHeadModel``), gives the
     trainer's loss on a fixed validation batch (within 1e-3 nats). Measured when the artifact is
     built; on a cache hit judged from that record after a size check (``defs/platform/checks.py``)."""
+    from vlm_assets.models.gpt_export import export_scan
+
     scanned, source = judged.scan(lambda root: export_scan(root, judged.upstream["token_shards"].uri))
     loss, trainer = scanned["export_loss"], scanned["trainer_loss"]
     diff = abs(loss - trainer)
@@ -79,6 +66,7 @@ def export_reproduces_val_loss(judged: Judged) -> dg.AssetCheckResult:
 def report(step: Step, values: dict) -> Built:
     """What the GPT trainer wrote, for the registry of runs and the UI: the loss curve against the
     uniform guess, the export's scan and the trainer's numbers."""
+    from vlm_assets.models.gpt_export import export_scan
     from vlm_assets.train.plots import loss_curve_png
 
     config, staging = step.config, step.staging

@@ -15,6 +15,7 @@ from vlm_assets.defs.platform.registration import registered_model_asset
 from vlm_assets.defs.platform.tracking import TrackedRun
 from vlm_assets.defs.platform.training import TrainingConfig, dagster_config, numbers, training_asset
 from vlm_assets.models import visualchat_card
+from vlm_assets.models.registry import combined_sha256
 from vlm_assets.paths import require_local
 from vlm_assets.train.run_config import step_field
 from vlm_assets.train.visualchat_config import VisualChatTrainConfig
@@ -160,29 +161,17 @@ def report_markdown(staging: Path, run: TrackedRun, config: VisualChatAssetConfi
     markdown = {"loss_curve": run.log_image(staging / "loss_curve.png", "loss curve")}
     if (staging / "eval.json").is_file():
         run.log_artifact(str(staging / "eval.json"))
-        result = json.loads((staging / "eval.json").read_text())
-        lines = ["| role | message |", "|---|---|"]
-        for message in result["conversation"]:
-            content = message["content"]
-            text = (
-                content
-                if isinstance(content, str)
-                else " ".join("[image]" if p["type"] == "image" else p["text"] for p in content)
-            )
-            lines.append(f"| {message['role']} | {text.replace('|', '/')} |")
-        markdown["conversation"] = "\n".join(lines)
+        from vlm_assets.evaluate.visualchat_eval import conversation_markdown
+
+        markdown["conversation"] = conversation_markdown(
+            json.loads((staging / "eval.json").read_text())["conversation"]
+        )
     return markdown
 
 
 class RegisteredVisualChatConfig(AssetConfig):
     model_name: str = Field(default="visualchat", min_length=1, description="MLflow registered model name.")
     alias: str = Field(default="champion", min_length=1, description="Alias pointed at this model's version.")
-
-
-def combined_sha256(shas: dict[str, str]) -> str:
-    import hashlib
-
-    return hashlib.sha256("".join(f"{p}:{s}\n" for p, s in sorted(shas.items())).encode()).hexdigest()
 
 
 registered_visualchat = registered_model_asset(
@@ -194,7 +183,7 @@ registered_visualchat = registered_model_asset(
     it: ``python -m vlm_assets.chat models:/visualchat@champion``.""",
     source="visualchat_model",
     config_type=RegisteredVisualChatConfig,
-    weights_sha256=lambda files: combined_sha256({p: f["sha256"] for p, f in files.items() if p.startswith("model/")}),
+    weights_sha256=lambda files: combined_sha256(files, under="model/"),
     pyfunc="vlm_assets.models.visualchat_pyfunc",
     card=visualchat_card.DESCRIPTION,
 )
