@@ -117,26 +117,37 @@ class LocalTorchrunLauncher(TrainingLauncher):
     def launch(
         self, context: dg.AssetExecutionContext, spec: LaunchSpec, extras: dict[str, Any] | None = None
     ) -> list[dg.MaterializeResult]:
-        _die_with_orchestrator()
-        # Dagster's own session code calls its preview `expected_writer_count`: the warning is about
-        # Dagster's internals, not this launch, and would read as trouble in every run log.
-        with (
-            _without(dg.PreviewWarning),
-            dg.open_pipes_session(
-                context=context,
-                extras=extras or {},
-                context_injector=dg.PipesTempFileContextInjector(),
-                message_reader=dg.PipesTempFileMessageReader(),
-            ) as session,
-            _as_step_failure(),
-        ):
+        with _pipes_session(
+            context, extras, dg.PipesTempFileContextInjector(), dg.PipesTempFileMessageReader()
+        ) as session:
             run_local(
                 spec,
                 on_line=context.log.info,
                 env={**self.env, **session.get_bootstrap_env_vars()},
                 canceled=lambda: run_canceled(context),
             )
-        return [r for r in session.get_results() if isinstance(r, dg.MaterializeResult)]
+        return _reports(session)
+
+
+@contextlib.contextmanager
+def _pipes_session(context: dg.AssetExecutionContext, extras: dict[str, Any] | None, injector, reader) -> Iterator[Any]:
+    """A launch's Pipes session: the step dies with its orchestrator and a ``LaunchFailed`` becomes the
+    step's failure. Dagster's own session code calls its preview ``expected_writer_count``: that warning
+    is about Dagster's internals, not this launch, and would read as trouble in every run log."""
+    _die_with_orchestrator()
+    with (
+        _without(dg.PreviewWarning),
+        dg.open_pipes_session(
+            context=context, extras=extras or {}, context_injector=injector, message_reader=reader
+        ) as session,
+        _as_step_failure(),
+    ):
+        yield session
+
+
+def _reports(session: Any) -> list[dg.MaterializeResult]:
+    """What rank 0 reported, once its session has closed (every message read)."""
+    return [r for r in session.get_results() if isinstance(r, dg.MaterializeResult)]
 
 
 def _die_with_orchestrator() -> None:
@@ -210,7 +221,6 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
     ) -> list[dg.MaterializeResult]:
         from vlm_assets.launch.k8s import api_client, run_k8s
 
-        _die_with_orchestrator()  # then the run failure sensor deletes the pods it leaves
         settings = self.settings()
         api = api_client(settings)
         reader = _pod_log_reader()
@@ -225,16 +235,8 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
             "dagster/step": context.op_execution_context.node_handle.name,
         }
         forwarded = {name: os.environ[name] for name in settings.forward_env if name in os.environ}
-        with (
-            _without(dg.PreviewWarning),
-            dg.open_pipes_session(
-                context=context,
-                extras=extras or {},
-                context_injector=dg.PipesEnvContextInjector(),
-                message_reader=reader,
-            ) as session,
-            _as_step_failure(),
-        ):
+        # a step killed with its orchestrator leaves pods: the run failure sensor deletes them
+        with _pipes_session(context, extras, dg.PipesEnvContextInjector(), reader) as session:
             run_k8s(
                 spec,
                 settings,
@@ -244,7 +246,7 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
                 api=api,
                 canceled=lambda: run_canceled(context),
             )
-        return [r for r in session.get_results() if isinstance(r, dg.MaterializeResult)]
+        return _reports(session)
 
 
 def _pod_log_reader():
