@@ -28,6 +28,28 @@ def data_uri(png: bytes) -> str:
     return f"data:image/png;base64,{base64.b64encode(png).decode()}"
 
 
+def loss_curve_png(history: dict, uniform_loss: float, title: str, baseline_label: str | None = None) -> bytes:
+    """A trainer's loss curves (what people look at instead of reading metric tables): train loss per
+    optimizer step, val loss per validation, and a baseline (by default the uniform predictor's)."""
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    train, val = history["train"], history["val"]
+    ax.plot([p["step"] for p in train], [p["loss"] for p in train], label="train", linewidth=1)
+    if val:
+        ax.plot([p["step"] for p in val], [p["loss"] for p in val], "o-", label="val")
+    ax.axhline(
+        uniform_loss,
+        color="grey",
+        linestyle="--",
+        label=baseline_label or f"uniform predictor (ln V = {uniform_loss:.2f})",
+    )
+    if history.get("resumed_from_step") is not None:
+        ax.axvline(history["resumed_from_step"], color="red", linestyle=":", label="resumed")
+    ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats)", title=title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
 def loss_curves_png(epochs: list[dict]) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     x = [e["epoch"] + 1 for e in epochs]

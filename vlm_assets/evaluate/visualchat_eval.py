@@ -2,6 +2,7 @@
 prompt -> class name, greedy) and a multi-round, two-image conversation transcript."""
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -107,3 +108,28 @@ def conversation_markdown(messages: list[dict]) -> str:
             content = " ".join("[image]" if p["type"] == "image" else p["text"] for p in content)
         lines.append(f"| {message['role']} | {content.replace('|', '/')} |")
     return "\n".join(lines)
+
+
+def evaluate_export(model_dir: Path, manifests: Path, count: int, out: Path, log: Callable[[str], None]) -> dict:
+    """VQA exact match of the exported model on held-out validation images (asked the template's prompt,
+    and held-out phrasings), and a two-image, two-round conversation, written to ``out``; returns the numbers
+    a model's metrics carry."""
+    model = VisualChatModel.from_pretrained(model_dir)
+    result = vqa_report(model, manifests, "validation", count)
+    result["conversation"] = two_image_conversation(model, manifests)
+    out.write_text(json.dumps(result, indent=1))
+    template, phrased = result["vqa"]["template"], result["vqa"]["held_out_phrasings"]
+    log(
+        f"merged model: VQA exact match {template['exact_match']:.1%} on {template['num_images']} held-out "
+        f"images (chance {result['chance']:.0%}); asked in held-out phrasings {phrased['exact_match']:.1%}"
+    )
+    return {
+        "vqa_exact_match": template["exact_match"],
+        "vqa_exact_match_ci95_low": template["ci95"][0],
+        "vqa_exact_match_ci95_high": template["ci95"][1],
+        "vqa_chance": result["chance"],
+        "vqa_images": template["num_images"],
+        "vqa_held_out_phrasings_exact_match": phrased["exact_match"],
+        "vqa_held_out_phrasings_ci95_low": phrased["ci95"][0],
+        "vqa_held_out_phrasings_ci95_high": phrased["ci95"][1],
+    }

@@ -36,6 +36,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from vlm_assets.data import visualchat_data as vd
+from vlm_assets.evaluate.visualchat_eval import evaluate_export
 from vlm_assets.launch.spec import InputRefused
 from vlm_assets.models.visualchat import VisualChatModel, decoder_positions
 from vlm_assets.models.visualchat_attention import attention_layout
@@ -346,36 +347,12 @@ def export(
         replica.save_pretrained(staging)
         metrics["merge_max_abs_diff"] = float((merged - unmerged).abs().max())
         if manifests is not None and config.data.eval_images:
-            metrics.update(evaluate_export(staging, manifests, config.data.eval_images, out / "eval.json", reporter))
+            metrics.update(
+                evaluate_export(staging, manifests, config.data.eval_images, out / "eval.json", reporter.log)
+            )
         (out / "history.json").write_text(json.dumps({"train": history, **metrics}))
         reporter.materialization(metrics)
     dist.barrier()
-
-
-def evaluate_export(model_dir: Path, manifests: Path, count: int, out: Path, reporter: Reporter) -> dict:
-    """VQA exact match of the exported model on held-out validation images (asked the template's prompt,
-    and held-out phrasings), and a two-image, two-round conversation, written to ``out``; returns the numbers."""
-    from vlm_assets.evaluate.visualchat_eval import two_image_conversation, vqa_report
-
-    model = VisualChatModel.from_pretrained(model_dir)
-    result = vqa_report(model, manifests, "validation", count)
-    result["conversation"] = two_image_conversation(model, manifests)
-    out.write_text(json.dumps(result, indent=1))
-    template, phrased = result["vqa"]["template"], result["vqa"]["held_out_phrasings"]
-    reporter.log(
-        f"merged model: VQA exact match {template['exact_match']:.1%} on {template['num_images']} held-out "
-        f"images (chance {result['chance']:.0%}); asked in held-out phrasings {phrased['exact_match']:.1%}"
-    )
-    return {
-        "vqa_exact_match": template["exact_match"],
-        "vqa_exact_match_ci95_low": template["ci95"][0],
-        "vqa_exact_match_ci95_high": template["ci95"][1],
-        "vqa_chance": result["chance"],
-        "vqa_images": template["num_images"],
-        "vqa_held_out_phrasings_exact_match": phrased["exact_match"],
-        "vqa_held_out_phrasings_ci95_low": phrased["ci95"][0],
-        "vqa_held_out_phrasings_ci95_high": phrased["ci95"][1],
-    }
 
 
 main = entry_point(VisualChatTrainConfig, train)

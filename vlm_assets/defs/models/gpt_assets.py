@@ -66,8 +66,8 @@ def export_reproduces_val_loss(judged: Judged) -> dg.AssetCheckResult:
 def report(step: Step, values: dict) -> Built:
     """What the GPT trainer wrote, for the registry of runs and the UI: the loss curve against the
     uniform guess, the export's scan and the trainer's numbers."""
+    from vlm_assets.evaluate.report import loss_curve_png
     from vlm_assets.models.gpt_export import export_scan
-    from vlm_assets.train.plots import loss_curve_png
 
     config, staging = step.config, step.staging
     history = json.loads((staging / "history.json").read_text())

@@ -143,7 +143,7 @@ visualchat_model = training_asset(
 
 def report_markdown(staging: Path, run: TrackedRun, config: VisualChatAssetConfig) -> dict[str, str]:
     """The loss curve (and the held-out loss before and after) and the two-image conversation, for the UI."""
-    from vlm_assets.train.plots import loss_curve_png
+    from vlm_assets.evaluate.report import loss_curve_png
 
     history = json.loads((staging / "history.json").read_text())
     held_out = [
