@@ -178,7 +178,8 @@ def memoized_asset(
         ins={source: dg.AssetIn(source) for source in ins},
         deps=[member.value for choice in choices.values() for member in choice] or None,
         check_specs=check_specs(name, checks),
-        # by key, not as typed parameters: a factory's function cannot add ``resources`` to its signature
+        # by key: Dagster takes an asset's resources as typed parameters or by key, not both, and one
+        # function serves every asset here, whatever resources its build needs
         required_resource_keys={"artifact_store", "mlflow", *resources},
         **asset_args,
     )

@@ -2,10 +2,10 @@
 ``visualchat_model``). What a training asset writes is only what differs: which trainer module it
 launches, what it reads (``inputs``: its upstream artifacts resolved to paths, bad input refused before
 any process starts) and what it reports (``finish``: the numbers, plots and scan of what rank 0
-wrote). The rest (the cache key, computed once; the memoized build under a lease; the launch through
-the ``TrainingLauncher`` with the trainer's Pipes report; the checks in the asset's own step; the
-training pool and one retry policy) is written here once, so the body a reader sees is inputs ->
-launch -> materialization, as in Dagster's Pipes examples.
+wrote). ``memoized_asset`` (``memo``) writes the cache key, computed once, the memoized build under a
+lease and the checks in the asset's own step; this module adds the launch through the
+``TrainingLauncher`` with the trainer's Pipes report, the training pool and one retry policy, so the
+body a reader sees is inputs -> launch -> materialization, as in Dagster's Pipes examples.
 """
 
 import dataclasses
