@@ -23,12 +23,10 @@ from vlm_assets.data.occlusion_dataset import decode_png, preprocess
 
 class OcclusionAdapterPredictor(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
-        from vlm_assets.models.frozen_vlm import load_backbone
-        from vlm_assets.models.occlusion_adapter import load_adapter
+        from vlm_assets.models.occlusion_adapter import load_trained
 
-        self.adapter, info = load_adapter(context.artifacts["adapter"], context.artifacts["backbone"])
+        self.backbone, self.adapter, info = load_trained(context.artifacts["adapter"], context.artifacts["backbone"])
         self.prompt, self.image_size = info["prompt"], info["image_size"]
-        self.backbone = load_backbone(info["backbone"], max_length=info["max_length"])
 
     # A DataFrame hint: MLflow then validates against the signature logged with the model (a base64
     # PNG column and a box column, ``log_model``) instead of inferring one from the hint.

@@ -63,11 +63,12 @@ def load_adapter(weights: str | Path, info_file: str | Path) -> tuple[OcclusionA
     return adapter.eval(), info
 
 
-def load_trained(root: Path):
-    """(frozen backbone, adapter, its ``backbone.json``) of an ``occlusion_adapter`` artifact's folder."""
+def load_trained(weights: str | Path, info_file: str | Path):
+    """(frozen backbone, adapter, its ``backbone.json`` record): ``load_adapter`` and the backbone it was
+    trained against, as the evaluation and the registered predictor both load them."""
     from vlm_assets.models.frozen_vlm import load_backbone
 
-    adapter, info = load_adapter(root / "adapter.safetensors", root / "backbone.json")
+    adapter, info = load_adapter(weights, info_file)
     return load_backbone(info["backbone"], max_length=info["max_length"]), adapter, info
 
 

@@ -91,7 +91,7 @@ def build_report(step: Step) -> Built:
 
     config, staging = step.config, step.staging
     root = step.local("occlusion_adapter")
-    backbone, adapter, info = load_trained(root)
+    backbone, adapter, info = load_trained(root / "adapter.safetensors", root / "backbone.json")
     manifests = step.local("occlusion_manifests")
     data = OcclusionSamples(manifests, "validation", info["image_size"], None)
     result = evaluate(
