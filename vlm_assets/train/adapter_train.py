@@ -29,7 +29,7 @@ from vlm_assets.train.adapter_module import AdapterModule
 from vlm_assets.train.checkpoints import CHECKPOINT_NAME, StoreCheckpointIO, latest_checkpoint
 from vlm_assets.train.deepspeed_store import deepspeed_strategy
 from vlm_assets.train.entry import TrainerRun, backend, entry_point
-from vlm_assets.train.reporting import Reporter, process_group_backend
+from vlm_assets.train.reporting import Reporter
 
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 # The frozen backbone is kept in eval mode on purpose (no dropout, fixed statistics): Lightning's
@@ -157,17 +157,15 @@ def train(run: TrainerRun[AdapterTrainConfig]) -> None:
             json.dumps({"epochs": history.epochs, "resumed_from_epoch": history.resumed_from_epoch})
         )
         last = history.epochs[-1]
-        reporter.materialization(
+        run.report(
+            trainer,
             {
                 **{k.replace("/", "_"): v for k, v in last.items()},
                 "gate": float(module.adapter.gate.detach()),
                 "epochs": config.optimizer.epochs,
                 "strategy": config.parallelism.resolved_strategy(torch.cuda.is_available()),
-                "world_size": trainer.world_size,
-                "precision": trainer.precision,
-                "backend": process_group_backend(),
                 "resumed_from_epoch": -1 if history.resumed_from_epoch is None else history.resumed_from_epoch,
-            }
+            },
         )
     trainer.strategy.barrier("adapter written")
 

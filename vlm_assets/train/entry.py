@@ -21,7 +21,7 @@ import torch.distributed as dist
 from vlm_assets.launch.spec import exit_on_refused_input
 from vlm_assets.storage import ArtifactStore, store_from_spec
 from vlm_assets.train.checkpoints import StoreCheckpointIO, latest_checkpoint
-from vlm_assets.train.reporting import Reporter, quiet_lightning
+from vlm_assets.train.reporting import Reporter, process_group_backend, quiet_lightning
 from vlm_assets.train.run_config import C, RunPaths, read_run_file
 
 
@@ -91,6 +91,12 @@ class TrainerRun(Generic[C]):
         """``trainer.fit``, resumed from ``resume`` (our own full checkpoint, its sha256 verified against
         the manifest, hence ``weights_only=False``)."""
         trainer.fit(module, ckpt_path=str(resume[1]) if resume else None, weights_only=False, **data)
+
+    def report(self, trainer: L.Trainer, metrics: dict[str, Any]) -> None:
+        """Rank 0's one Pipes report, the asset's materialization: ``metrics`` and how the run ran (its
+        processes, precision and process-group backend, read from what ran)."""
+        how = {"world_size": trainer.world_size, "precision": trainer.precision, "backend": process_group_backend()}
+        self.reporter.materialization({**metrics, **how})
 
 
 def entry_point(config_type: type[C], train: Callable[[TrainerRun[C]], None]) -> Callable[[list[str] | None], None]:

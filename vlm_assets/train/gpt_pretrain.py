@@ -29,7 +29,7 @@ from vlm_assets.train.checkpoints import CHECKPOINT_FILE, StepCheckpoint, StepSe
 from vlm_assets.train.entry import TrainerRun, backend, entry_point
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.gpt_module import GPTPretrainModule, TokenDataModule
-from vlm_assets.train.reporting import TrainingHistory, process_group_backend
+from vlm_assets.train.reporting import TrainingHistory
 
 REFERENCE_SAMPLES = 8
 # Lightning only knows resumable *loaders*; the position is restored by TokenDataModule.load_state_dict.
@@ -110,7 +110,8 @@ def train(run: TrainerRun[PretrainConfig]) -> None:
         (out / "reference.json").write_text(json.dumps({"val_batch_loss": reference, "num_samples": REFERENCE_SAMPLES}))
         history.save(out / "history.json")
         train_loss = history.train[-1]["loss"]
-        reporter.materialization(
+        run.report(
+            trainer,
             {
                 "train_loss": train_loss,
                 "train_perplexity": math.exp(min(train_loss, 20)),
@@ -121,12 +122,9 @@ def train(run: TrainerRun[PretrainConfig]) -> None:
                 "tokens_per_s": tokens_per_s,
                 "num_params": sum(v.numel() for k, v in state.items() if k != "lm_head.weight"),
                 "resumed_from_step": history.resumed_from_step if history.resumed_from_step is not None else -1,
-                "world_size": world,
                 "strategy": config.parallelism.strategy,
-                "precision": trainer.precision,
-                "backend": process_group_backend(),
                 "checkpoint": final[0],
-            }
+            },
         )
     trainer.strategy.barrier("export written")
 

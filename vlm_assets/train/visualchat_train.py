@@ -43,7 +43,7 @@ from vlm_assets.models.visualchat_attention import attention_layout
 from vlm_assets.train.checkpoints import StepCheckpoint, StepSeed
 from vlm_assets.train.deepspeed_store import deepspeed_strategy
 from vlm_assets.train.entry import TrainerRun, entry_point
-from vlm_assets.train.reporting import Reporter, TrainingHistory, process_group_backend
+from vlm_assets.train.reporting import TrainingHistory
 from vlm_assets.train.visualchat_config import VisualChatTrainConfig
 
 EVAL_BATCH = 4
@@ -268,12 +268,11 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     tokens = float(trainer.strategy.reduce(torch.tensor(float(module.tokens), device=module.device), reduce_op="sum"))
     eval_loss = evaluate(model, evaluation, module.device)
     export(
+        run,
+        trainer,
         model,
         config,
         evaluation,
-        run.rank,
-        Path(paths.out_dir),
-        reporter,
         manifests,
         {
             "eval_loss": eval_loss,
@@ -283,7 +282,6 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
             "train_loss": history.train[-1]["loss"],
             "trainable_parameters": trainable,
             "resumed_from_step": -1 if history.resumed_from_step is None else history.resumed_from_step,
-            "backend": process_group_backend(),
             "param_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         },
         history.train,
@@ -312,12 +310,11 @@ def evaluate(model: VisualChatModel, samples: list[vd.Sample], device: torch.dev
 
 
 def export(
+    run: TrainerRun[VisualChatTrainConfig],
+    trainer: L.Trainer,
     model: VisualChatModel,
     config: VisualChatTrainConfig,
     evaluation: list[vd.Sample],
-    rank: int,
-    out: Path,
-    reporter: Reporter,
     manifests: Path | None,
     metrics: dict,
     history: list[dict],
@@ -326,9 +323,11 @@ def export(
     save the merged model, and evaluate the saved model as a user loads it (``eval.json``)."""
     import deepspeed
 
+    rank = run.rank
     with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
         weights = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()} if rank == 0 else None
     if rank == 0:
+        out = run.out
         replica = build_model(config)
         replica.load_state_dict(weights)
         replica.eval()
@@ -348,10 +347,10 @@ def export(
         metrics["merge_max_abs_diff"] = float((merged - unmerged).abs().max())
         if manifests is not None and config.data.eval_images:
             metrics.update(
-                evaluate_export(staging, manifests, config.data.eval_images, out / "eval.json", reporter.log)
+                evaluate_export(staging, manifests, config.data.eval_images, out / "eval.json", run.reporter.log)
             )
         (out / "history.json").write_text(json.dumps({"train": history, **metrics}))
-        reporter.materialization(metrics)
+        run.report(trainer, metrics)
     dist.barrier()
 
 

@@ -9,7 +9,7 @@ from vlm_assets.data import occlusion_checks
 from vlm_assets.data.image_sources import load_source
 from vlm_assets.data.occlusion import BoxBounds, write_occlusion_manifests
 from vlm_assets.data.preview import occlusion_preview
-from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged, check_result
+from vlm_assets.defs.platform.checks import CHECKS_SECTION, Judged
 from vlm_assets.defs.platform.memo import AssetConfig, Built, Step, memoized_asset
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.paths import cache_dir
@@ -89,9 +89,9 @@ class OcclusionManifestsConfig(AssetConfig):
         return self
 
 
-def _scan(judged: Judged) -> tuple[dict, str]:
+def _outcome(judged: Judged, judge) -> dg.AssetCheckResult:
     bounds = _config(judged.ref).box_bounds()
-    return judged.scan(lambda root: occlusion_checks.scan(root, bounds))
+    return judged.outcome(lambda root: occlusion_checks.scan(root, bounds), judge)
 
 
 def _config(ref: ArtifactRef) -> "OcclusionManifestsConfig":
@@ -100,8 +100,7 @@ def _config(ref: ArtifactRef) -> "OcclusionManifestsConfig":
 
 def boxes_within_configured_bounds(judged: Judged) -> dg.AssetCheckResult:
     """Every box's width and height fractions lie within the configured bounds of its split."""
-    scanned, source = _scan(judged)
-    return check_result(occlusion_checks.boxes_within_bounds(scanned), source)
+    return _outcome(judged, occlusion_checks.boxes_within_bounds)
 
 
 def every_class_present_and_balanced(judged: Judged) -> dg.AssetCheckResult:
@@ -110,23 +109,21 @@ def every_class_present_and_balanced(judged: Judged) -> dg.AssetCheckResult:
     own class histogram is reported and an imbalance is only a warning (nothing balanced was promised)."""
     asked = _config(judged.ref)
     balanced = {"train": asked.num_train is not None, "validation": asked.num_validation is not None}
-    scanned, source = _scan(judged)
-    return check_result(occlusion_checks.classes_balanced(scanned, judged.settings.balance_tolerance, balanced), source)
+    return _outcome(
+        judged, lambda scanned: occlusion_checks.classes_balanced(scanned, judged.settings.balance_tolerance, balanced)
+    )
 
 
 def counts_match_config(judged: Judged) -> dg.AssetCheckResult:
     """Row counts equal num_train / num_validation (when set) and the artifact's own summary."""
     config = _config(judged.ref)
-    scanned, source = _scan(judged)
-    return check_result(
-        occlusion_checks.counts_match(scanned, {"train": config.num_train, "validation": config.num_validation}), source
-    )
+    expected = {"train": config.num_train, "validation": config.num_validation}
+    return _outcome(judged, lambda scanned: occlusion_checks.counts_match(scanned, expected))
 
 
 def every_image_readable(judged: Judged) -> dg.AssetCheckResult:
     """Every image a manifest row references exists, decodes, and has the size the row states."""
-    scanned, source = _scan(judged)
-    return check_result(occlusion_checks.images_readable(scanned), source)
+    return _outcome(judged, occlusion_checks.images_readable)
 
 
 def build_manifests(step: Step) -> Built:

@@ -5,7 +5,7 @@ from typing import Literal, Self
 import dagster as dg
 from pydantic import Field, model_validator
 
-from vlm_assets.defs.platform.checks import Judged, check_result
+from vlm_assets.defs.platform.checks import Judged
 from vlm_assets.defs.platform.memo import AssetConfig, Built, Step, memoized_asset
 
 
@@ -46,24 +46,21 @@ def token_ids_within_vocab(judged: Judged) -> dg.AssetCheckResult:
     """Every token id of every sample is in [0, vocab_size)."""
     from vlm_assets.data import token_checks
 
-    scanned, source = judged.scan(token_checks.scan)
-    return check_result(token_checks.ids_within_vocab(scanned), source)
+    return judged.outcome(token_checks.scan, token_checks.ids_within_vocab)
 
 
 def token_counts_match_summary(judged: Judged) -> dg.AssetCheckResult:
     """Sample and token counts (and block lengths) in the shards equal what tokens.json reports."""
     from vlm_assets.data import token_checks
 
-    scanned, source = judged.scan(token_checks.scan)
-    return check_result(token_checks.counts_match(scanned), source)
+    return judged.outcome(token_checks.scan, token_checks.counts_match)
 
 
 def every_shard_readable(judged: Judged) -> dg.AssetCheckResult:
     """Every MDS shard of both splits opens and every sample decodes."""
     from vlm_assets.data import token_checks
 
-    scanned, source = judged.scan(token_checks.scan)
-    return check_result(token_checks.shards_readable(scanned), source)
+    return judged.outcome(token_checks.scan, token_checks.shards_readable)
 
 
 def build_shards(step: Step) -> Built:

@@ -33,16 +33,6 @@ def artifact_scan(
     return scan(store.local_path(ref.key)), f"full scan ({why})"
 
 
-def check_result(outcome: Any, scanned_from: str) -> dg.AssetCheckResult:
-    """A pure ``CheckOutcome`` as Dagster's result; ``warning`` outcomes do not block."""
-    return dg.AssetCheckResult(
-        passed=outcome.passed,
-        description=outcome.description,
-        metadata={**outcome.metadata, "scan": scanned_from},
-        severity=dg.AssetCheckSeverity.WARN if outcome.warning else dg.AssetCheckSeverity.ERROR,
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Judged:
     """What an asset's checks judge, inside the asset's own step: the artifact the step returns (built
@@ -57,6 +47,20 @@ class Judged:
     def scan(self, scan: Callable[[Path], dict[str, Any]]) -> tuple[dict[str, Any], str]:
         assert self.store is not None, "a scan needs the artifact store"
         return artifact_scan(self.ref, self.store, scan)
+
+    def outcome(
+        self, scan: Callable[[Path], dict[str, Any]], judge: Callable[[dict[str, Any]], Any]
+    ) -> dg.AssetCheckResult:
+        """A data check: ``judge`` (a pure ``CheckOutcome``) of the artifact's scan, as Dagster's result;
+        ``warning`` outcomes do not block."""
+        scanned, source = self.scan(scan)
+        outcome = judge(scanned)
+        return dg.AssetCheckResult(
+            passed=outcome.passed,
+            description=outcome.description,
+            metadata={**outcome.metadata, "scan": source},
+            severity=dg.AssetCheckSeverity.WARN if outcome.warning else dg.AssetCheckSeverity.ERROR,
+        )
 
 
 Check = Callable[[Judged], dg.AssetCheckResult]

@@ -227,33 +227,127 @@ def materialize_memoized(
     artifact's key when the caller computed it already (``artifact_key``). ``interrupt_when_canceled``:
     interrupt the build when its run is terminated (off for a launch, which asks itself and stops its
     workers or pods in order)."""
+    step = _Memoized(context, artifact_store, mlflow, config, build, upstream or {})
     with _interrupted_when_canceled(context) if interrupt_when_canceled else contextlib.nullcontext():
-        output = _materialize(context, artifact_store, mlflow, config, build, upstream or {}, key)
-    subject = Judged(output.value, getattr(config, "checks", None), artifact_store.get_store(), upstream or {})
-    yield from judge(output, checks, subject)
+        output = step.output(key)
+    yield from judge(output, checks, Judged(output.value, getattr(config, "checks", None), step.store, step.upstream))
 
 
-def _materialize(
-    context: dg.AssetExecutionContext,
-    artifact_store: ArtifactStoreResource,
-    mlflow: MlflowTrackingResource,
-    config: AssetConfig,
-    build: Callable[[Path, TrackedRun], Built],
-    upstream: Mapping[str, ArtifactRef],
-    key: str | None,
-) -> dg.Output[ArtifactRef]:
-    if run_canceled(context):  # a retry of a step its run's cancellation interrupted: stop before any work
-        raise dg.DagsterExecutionInterruptedError(f"run {context.run.run_id} is being canceled")
-    with bad_input_fails_fast():
-        config.check_values()
-        key = key or artifact_key(context, config, upstream)
-        store, started = artifact_store.get_store(), time.perf_counter()
-        with _build_lease(context, artifact_store, store, key) as lease:
-            if lease is None or store.exists(key):
-                ref = store.ref(key)
-                context.log.info(f"cache hit: {ref.uri} (data version {ref.data_version})")
-                return _output(ref, "hit", time.perf_counter() - started, config)
-            return _build(context, store, lease, mlflow, config, build, upstream, key, started)
+@dataclasses.dataclass
+class _Memoized:
+    """One memoized step: a cache hit, or the build under the key's lease inside an MLflow run."""
+
+    context: dg.AssetExecutionContext
+    resource: ArtifactStoreResource
+    mlflow: MlflowTrackingResource
+    config: AssetConfig
+    build: Callable[[Path, TrackedRun], Built]
+    upstream: Mapping[str, ArtifactRef]
+
+    def __post_init__(self) -> None:
+        self.store = self.resource.get_store()
+
+    def output(self, key: str | None) -> dg.Output[ArtifactRef]:
+        context = self.context
+        if run_canceled(context):  # a retry of a step its run's cancellation interrupted: stop before any work
+            raise dg.DagsterExecutionInterruptedError(f"run {context.run.run_id} is being canceled")
+        with bad_input_fails_fast():
+            self.config.check_values()
+            key, started = key or artifact_key(context, self.config, self.upstream), time.perf_counter()
+            with self._lease(key) as lease:
+                if lease is None or self.store.exists(key):
+                    ref = self.store.ref(key)
+                    context.log.info(f"cache hit: {ref.uri} (data version {ref.data_version})")
+                    return self._output(ref, "hit", started)
+                return self._output(self._build(lease, key), "miss", started)
+
+    @contextlib.contextmanager
+    def _lease(self, key: str) -> Iterator[Lease | None]:
+        """The lease on building ``key``, or None when the artifact is complete (already, or built by the
+        attempt we waited for)."""
+        context, resource, store = self.context, self.resource, self.store
+        if store.exists(key):
+            yield None
+            return
+        holder = holder_record(context.run.run_id, asset=context.asset_key.to_user_string())
+        lease = store.lease(key, holder, resource.lease_ttl_s, log=context.log.warning)
+        deadline, said = time.monotonic() + resource.busy_wait_timeout_s, False
+        while (busy := lease.try_acquire()) is not None:
+            if store.exists(key):
+                yield None
+                return
+            if resource.on_busy == "fail" or time.monotonic() > deadline:
+                waited = "" if resource.on_busy == "fail" else f" (waited {resource.busy_wait_timeout_s:.0f} s)"
+                raise dg.Failure(
+                    f"{key} is being built by another attempt{waited}: {busy.describe()}. It "
+                    f"expires {resource.lease_ttl_s:.0f} s after its holder stops renewing it.",
+                    allow_retries=False,
+                )
+            if not said:
+                context.log.info(f"{key} is being built by {busy.describe()}: waiting for it")
+                said = True
+            time.sleep(min(5.0, resource.lease_ttl_s / 4))
+        try:
+            yield lease
+        finally:
+            lease.release()
+
+    def _build(self, lease: Lease, key: str) -> ArtifactRef:
+        context, config, name = self.context, self.config, self.context.asset_key.to_user_string()
+        self._close_dead_attempts(lease, key)
+        tags = {"dagster.run_id": context.run.run_id, "dagster.asset": name, "vlm_assets.cache_key": key}
+        with self.mlflow.start_run(run_name=name, tags=tags) as run:
+            run.log_params(config.model_dump(mode="json"))
+            with self.store.staging_dir(key) as staging:
+                built = self.build(staging, run)
+                run.log_metrics(built.metrics)
+                lease.ensure_held()
+                ref = self.store.commit(
+                    key,
+                    staging,
+                    metadata={
+                        "metrics": built.metrics,
+                        "metadata": built.metadata,
+                        "markdown": built.markdown,
+                        "config": config.identity(),
+                        "mlflow_run_id": run.run_id,
+                        "upstream": {k: r.data_version for k, r in self.upstream.items()},
+                        **({"scan": built.scan} if built.scan is not None else {}),
+                    },
+                )
+        context.log.info(f"committed {ref.uri} (data version {ref.data_version})")
+        return ref
+
+    def _close_dead_attempts(self, lease: Lease, key: str) -> None:
+        """Make the records of an attempt that died (its process killed: no code of it ran to say so)
+        tell the truth: its MLflow runs end KILLED, and its Dagster run, if this lease replaced its
+        expired one and it is still marked in progress, is marked failed."""
+        context = self.context
+        if killed := self.mlflow.end_orphaned_runs(cache_key=key):
+            context.log.warning(f"ended MLflow run(s) {', '.join(killed)} of {key} as KILLED: their process died")
+        dead = lease.taken_over
+        if dead is not None and dead.holder.get("run_id") != context.run.run_id:
+            fail_dead_run(
+                context.instance, dead, f"run {context.run.run_id}, which took its lease over", context.log.warning
+            )
+
+    def _output(self, ref: ArtifactRef, cache: str, started: float) -> dg.Output[ArtifactRef]:
+        metadata: dict[str, Any] = {
+            "cache": cache,
+            "cache_key": ref.key,
+            "uri": dg.MetadataValue.path(ref.uri),
+            "mlflow_run_id": ref.metadata["mlflow_run_id"],
+            "seconds": round(time.perf_counter() - started, 3),
+            **({"run_settings": dg.MetadataValue.json(run)} if (run := self.config.run_settings()) else {}),
+            **ref.metadata["metrics"],
+            **ref.metadata["metadata"],
+            **{k: dg.MetadataValue.md(v) for k, v in ref.metadata["markdown"].items()},
+        }
+        with warnings.catch_warnings():
+            # data_version is how Dagster learns a cache hit changed nothing; it is marked beta, and its
+            # warning on every materialization would read as trouble in the run log.
+            warnings.simplefilter("ignore", dg.BetaWarning)
+            return dg.Output(ref, data_version=dg.DataVersion(ref.data_version), metadata=metadata)
 
 
 @contextlib.contextmanager
@@ -283,107 +377,3 @@ def _interrupted_when_canceled(context: dg.AssetExecutionContext, poll_s: float 
         with lock:
             done.set()
         watcher.join()
-
-
-@contextlib.contextmanager
-def _build_lease(
-    context: dg.AssetExecutionContext, resource: ArtifactStoreResource, store: ArtifactStore, key: str
-) -> Iterator[Lease | None]:
-    """The lease on building ``key``, or None when the artifact is complete (already, or built by the
-    attempt we waited for)."""
-    if store.exists(key):
-        yield None
-        return
-    holder = holder_record(context.run.run_id, asset=context.asset_key.to_user_string())
-    lease = store.lease(key, holder, resource.lease_ttl_s, log=context.log.warning)
-    deadline, said = time.monotonic() + resource.busy_wait_timeout_s, False
-    while (busy := lease.try_acquire()) is not None:
-        if store.exists(key):
-            yield None
-            return
-        if resource.on_busy == "fail" or time.monotonic() > deadline:
-            waited = "" if resource.on_busy == "fail" else f" (waited {resource.busy_wait_timeout_s:.0f} s)"
-            raise dg.Failure(
-                f"{key} is being built by another attempt{waited}: {busy.describe()}. It "
-                f"expires {resource.lease_ttl_s:.0f} s after its holder stops renewing it.",
-                allow_retries=False,
-            )
-        if not said:
-            context.log.info(f"{key} is being built by {busy.describe()}: waiting for it")
-            said = True
-        time.sleep(min(5.0, resource.lease_ttl_s / 4))
-    try:
-        yield lease
-    finally:
-        lease.release()
-
-
-def _build(
-    context: dg.AssetExecutionContext,
-    store: ArtifactStore,
-    lease: Lease,
-    mlflow: MlflowTrackingResource,
-    config: AssetConfig,
-    build: Callable[[Path, TrackedRun], Built],
-    upstream: Mapping[str, ArtifactRef],
-    key: str,
-    started: float,
-) -> dg.Output[ArtifactRef]:
-    name = context.asset_key.to_user_string()
-    _close_dead_attempts(context, mlflow, lease, key)
-    tags = {"dagster.run_id": context.run.run_id, "dagster.asset": name, "vlm_assets.cache_key": key}
-    with mlflow.start_run(run_name=name, tags=tags) as run:
-        run.log_params(config.model_dump(mode="json"))
-        with store.staging_dir(key) as staging:
-            built = build(staging, run)
-            run.log_metrics(built.metrics)
-            lease.ensure_held()
-            ref = store.commit(
-                key,
-                staging,
-                metadata={
-                    "metrics": built.metrics,
-                    "metadata": built.metadata,
-                    "markdown": built.markdown,
-                    "config": config.identity(),
-                    "mlflow_run_id": run.run_id,
-                    "upstream": {k: r.data_version for k, r in upstream.items()},
-                    **({"scan": built.scan} if built.scan is not None else {}),
-                },
-            )
-    context.log.info(f"committed {ref.uri} (data version {ref.data_version})")
-    return _output(ref, "miss", time.perf_counter() - started, config)
-
-
-def _close_dead_attempts(
-    context: dg.AssetExecutionContext, mlflow: MlflowTrackingResource, lease: Lease, key: str
-) -> None:
-    """Make the records of an attempt that died (its process killed: no code of it ran to say so)
-    tell the truth: its MLflow runs end KILLED, and its Dagster run, if this lease replaced its
-    expired one and it is still marked in progress, is marked failed."""
-    if killed := mlflow.end_orphaned_runs(cache_key=key):
-        context.log.warning(f"ended MLflow run(s) {', '.join(killed)} of {key} as KILLED: their process died")
-    dead = lease.taken_over
-    if dead is not None and dead.holder.get("run_id") != context.run.run_id:
-        fail_dead_run(
-            context.instance, dead, f"run {context.run.run_id}, which took its lease over", context.log.warning
-        )
-
-
-def _output(ref: ArtifactRef, cache: str, seconds: float, config: AssetConfig) -> dg.Output[ArtifactRef]:
-    metadata: dict[str, Any] = {
-        "cache": cache,
-        "cache_key": ref.key,
-        "uri": dg.MetadataValue.path(ref.uri),
-        "mlflow_run_id": ref.metadata["mlflow_run_id"],
-        "seconds": round(seconds, 3),
-        **({"run_settings": dg.MetadataValue.json(run)} if (run := config.run_settings()) else {}),
-        **ref.metadata["metrics"],
-        **ref.metadata["metadata"],
-        **{k: dg.MetadataValue.md(v) for k, v in ref.metadata["markdown"].items()},
-    }
-    with warnings.catch_warnings():
-        # data_version is how Dagster learns a cache hit changed nothing; it is marked beta, and its
-        # warning on every materialization would read as trouble in the run log.
-        warnings.simplefilter("ignore", dg.BetaWarning)
-        return dg.Output(ref, data_version=dg.DataVersion(ref.data_version), metadata=metadata)

@@ -68,9 +68,6 @@ class TrackedRun:
         self.log_artifact(str(path))
         return f"![{alt}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
 
-    def log_figure(self, figure: Any, name: str) -> None:
-        self.client.log_figure(self.run_id, figure, name)
-
 
 class MlflowTrackingResource(dg.ConfigurableResource):
     """MLflow tracking server or local store. The embedded default is ``sqlite:///var/mlflow.db``."""
