@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -58,7 +59,7 @@ class LeaseState:
 
 
 class LeaseHeldError(RuntimeError):
-    """Another live attempt holds the lease (and the caller asked to fail rather than wait)."""
+    """Another live attempt holds the lease (and the caller asked to fail rather than wait, or waited its limit)."""
 
 
 class LeaseLostError(RuntimeError):
@@ -122,6 +123,28 @@ class Lease:
                 self.log(f"lease on {self.key} was taken over by another attempt: this one must not commit")
                 return
             self._token = token
+
+    def acquire_or_wait(
+        self, done: Callable[[], bool], *, fail_at_once: bool, timeout_s: float, log: Callable[[str], None]
+    ) -> bool:
+        """Take the lease, waiting while another live attempt holds it: True once taken, False as soon as
+        ``done()`` (the work it guards was completed by that attempt). ``LeaseHeldError`` names the holder
+        at once when ``fail_at_once``, else after ``timeout_s``."""
+        deadline, said = time.monotonic() + timeout_s, False
+        while (busy := self.try_acquire()) is not None:
+            if done():
+                return False
+            if fail_at_once or time.monotonic() > deadline:
+                waited = "" if fail_at_once else f" (waited {timeout_s:.0f} s)"
+                raise LeaseHeldError(
+                    f"{self.key} is being built by another attempt{waited}: {busy.describe()}. It "
+                    f"expires {self.ttl_s:.0f} s after its holder stops renewing it."
+                )
+            if not said:
+                log(f"{self.key} is being built by {busy.describe()}: waiting for it")
+                said = True
+            time.sleep(min(5.0, self.ttl_s / 4))
+        return True
 
     def ensure_held(self) -> None:
         """Raise ``LeaseLostError`` if the lease was lost; call right before committing."""

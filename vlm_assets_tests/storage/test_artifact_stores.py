@@ -5,7 +5,7 @@ import time
 import pytest
 
 from vlm_assets.storage import ArtifactNotFoundError, CorruptArtifactError, LocalArtifactStore, S3ArtifactStore
-from vlm_assets.storage.lease import LeaseLostError, holder_record
+from vlm_assets.storage.lease import LeaseHeldError, LeaseLostError, holder_record
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -173,6 +173,25 @@ def test_lease_one_holder_named_renewed_released(store):
     first.release()
     second = store.lease("asset/k", holder_record("run-b"), ttl_s=3)
     assert second.try_acquire() is None
+    second.release()
+
+
+def test_a_busy_lease_fails_naming_its_holder_or_waits_until_the_work_is_done_or_released(store):
+    first = store.lease("asset/w", holder_record("run-a"), ttl_s=8)
+    assert first.try_acquire() is None
+    second, logs = store.lease("asset/w", holder_record("run-b"), ttl_s=8), []
+    with pytest.raises(LeaseHeldError, match=r"asset/w is being built by another attempt: run run-a on .* expires 8 s"):
+        second.acquire_or_wait(lambda: False, fail_at_once=True, timeout_s=60, log=logs.append)
+    with pytest.raises(LeaseHeldError, match=r"another attempt \(waited 3 s\): run run-a"):  # polls every 2 s
+        second.acquire_or_wait(lambda: False, fail_at_once=False, timeout_s=3, log=logs.append)
+    assert len(logs) == 1 and logs[0].startswith("asset/w is being built by run run-a on ")
+    assert logs[0].endswith(": waiting for it")  # said once, not at every poll
+    done = threading.Event()
+    threading.Timer(0.5, done.set).start()  # the holder commits the work: the waiter uses it, never takes the lease
+    assert second.acquire_or_wait(done.is_set, fail_at_once=False, timeout_s=60, log=logs.append) is False
+    threading.Timer(0.5, first.release).start()  # the holder gives up without the work: the waiter takes over
+    assert second.acquire_or_wait(lambda: False, fail_at_once=False, timeout_s=60, log=logs.append) is True
+    assert store.lease_read("asset/w").holder["run_id"] == "run-b"
     second.release()
 
 

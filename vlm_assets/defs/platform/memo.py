@@ -38,7 +38,7 @@ from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.launch.local import CANCEL_POLL_S
 from vlm_assets.memo import cache_key
 from vlm_assets.storage import ArtifactRef, ArtifactStore
-from vlm_assets.storage.lease import Lease, holder_record
+from vlm_assets.storage.lease import Lease, LeaseHeldError, holder_record
 from vlm_assets.train.run_config import Settings, describe_validation_error
 
 # Dagster's retry of a build that is not a training (a download, a registry call); errors the user
@@ -271,22 +271,18 @@ class _Memoized:
             return
         holder = holder_record(context.run.run_id, asset=context.asset_key.to_user_string())
         lease = store.lease(key, holder, resource.lease_ttl_s, log=context.log.warning)
-        deadline, said = time.monotonic() + resource.busy_wait_timeout_s, False
-        while (busy := lease.try_acquire()) is not None:
-            if store.exists(key):
-                yield None
-                return
-            if resource.on_busy == "fail" or time.monotonic() > deadline:
-                waited = "" if resource.on_busy == "fail" else f" (waited {resource.busy_wait_timeout_s:.0f} s)"
-                raise dg.Failure(
-                    f"{key} is being built by another attempt{waited}: {busy.describe()}. It "
-                    f"expires {resource.lease_ttl_s:.0f} s after its holder stops renewing it.",
-                    allow_retries=False,
-                )
-            if not said:
-                context.log.info(f"{key} is being built by {busy.describe()}: waiting for it")
-                said = True
-            time.sleep(min(5.0, resource.lease_ttl_s / 4))
+        try:
+            taken = lease.acquire_or_wait(
+                lambda: store.exists(key),
+                fail_at_once=resource.on_busy == "fail",
+                timeout_s=resource.busy_wait_timeout_s,
+                log=context.log.info,
+            )
+        except LeaseHeldError as err:
+            raise dg.Failure(str(err), allow_retries=False) from None
+        if not taken:
+            yield None
+            return
         try:
             yield lease
         finally:
