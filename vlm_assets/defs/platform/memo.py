@@ -243,6 +243,7 @@ class _Memoized:
     config: AssetConfig
     build: Callable[[Path, TrackedRun], Built]
     upstream: Mapping[str, ArtifactRef]
+    store: ArtifactStore = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.store = self.resource.get_store()
