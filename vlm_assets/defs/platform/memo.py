@@ -204,6 +204,7 @@ def memoized_asset(
             upstream,
             checks=checks,
             key=key,
+            store=store,
             interrupt_when_canceled=interrupt_when_canceled,
         )
 
@@ -220,14 +221,17 @@ def materialize_memoized(
     *,
     checks: Sequence[Check] = (),
     key: str | None = None,
+    store: ArtifactStore | None = None,
     interrupt_when_canceled: bool = True,
 ) -> Iterator[Any]:
     """The step's events: the artifact (a cache hit, or built and committed), then ``checks`` on it,
-    judged with the config's ``checks`` section (declare them with ``check_specs``). ``key``: the
-    artifact's key when the caller computed it already (``artifact_key``). ``interrupt_when_canceled``:
-    interrupt the build when its run is terminated (off for a launch, which asks itself and stops its
-    workers or pods in order)."""
-    step = _Memoized(context, artifact_store, mlflow, config, build, upstream or {})
+    judged with the config's ``checks`` section (declare them with ``check_specs``). ``key`` and
+    ``store``: the artifact's key (``artifact_key``) and the resource's store when the caller has them
+    already. ``interrupt_when_canceled``: interrupt the build when its run is terminated (off for a
+    launch, which asks itself and stops its workers or pods in order)."""
+    step = _Memoized(
+        context, artifact_store, store or artifact_store.get_store(), mlflow, config, build, upstream or {}
+    )
     with _interrupted_when_canceled(context) if interrupt_when_canceled else contextlib.nullcontext():
         output = step.output(key)
     yield from judge(output, checks, Judged(output.value, getattr(config, "checks", None), step.store, step.upstream))
@@ -239,14 +243,11 @@ class _Memoized:
 
     context: dg.AssetExecutionContext
     resource: ArtifactStoreResource
+    store: ArtifactStore  # the resource's
     mlflow: MlflowTrackingResource
     config: AssetConfig
     build: Callable[[Path, TrackedRun], Built]
     upstream: Mapping[str, ArtifactRef]
-    store: ArtifactStore = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.store = self.resource.get_store()
 
     def output(self, key: str | None) -> dg.Output[ArtifactRef]:
         context = self.context
