@@ -19,6 +19,8 @@ def answer(model: VisualChatModel, messages: list[dict], images: list[str], max_
     return model.reply(messages, pixels, max_new_tokens)
 
 
+DECODE_BATCH = 50  # conversations decoded together
+
 # Questions never asked in training (the manifest's prompt and ``visualchat_data.TRAIN_PHRASINGS`` are):
 # how a person might ask. The eval reports their exact match beside the template's.
 HELD_OUT_PHRASINGS = (
@@ -42,19 +44,25 @@ def vqa_exact_match(
     or with ``questions`` image ``i`` is asked ``questions[i % len(questions)]`` (each asked about as often)."""
     records = [r for r in vd.manifest_records(manifests, split) if len(r.images) == 1][:count]
     predictions = []
-    for i, record in enumerate(records):
-        messages = record.messages[:1]
-        if questions:
-            question = questions[i % len(questions)]
-            messages = [{"role": "user", "content": [messages[0]["content"][0], {"type": "text", "text": question}]}]
-        predicted = answer(model, messages, record.images)
-        predictions.append(
-            {
-                "label": record.messages[1]["content"],
-                "predicted": predicted,
-                "question": vd.text_of(messages[0]["content"]),
-            }
-        )
+    for start in range(0, len(records), DECODE_BATCH):
+        batch = records[start : start + DECODE_BATCH]
+        conversations = []
+        for i, record in enumerate(batch, start):
+            messages = record.messages[:1]
+            if questions:
+                question = questions[i % len(questions)]
+                content = [messages[0]["content"][0], {"type": "text", "text": question}]
+                messages = [{"role": "user", "content": content}]
+            conversations.append(messages)
+        pixels = torch.stack([vd.load_image(r.images[0], model.encoder.image_size) for r in batch])
+        for record, messages, predicted in zip(batch, conversations, model.replies(conversations, pixels)):
+            predictions.append(
+                {
+                    "label": record.messages[1]["content"],
+                    "predicted": predicted,
+                    "question": vd.text_of(messages[0]["content"]),
+                }
+            )
     hits = sum(normalize_answer(p["predicted"]) == normalize_answer(p["label"]) for p in predictions)
     if not predictions:
         raise ValueError(f"no single-image records in {manifests}/{split}.jsonl to evaluate")

@@ -222,12 +222,68 @@ class VisualChatModel(nn.Module):
 
     def reply(self, messages: list[dict], pixels: torch.Tensor | None, max_new_tokens: int = 8) -> str:
         """The greedy reply to a conversation (chat messages) whose image parts are ``pixels``, in order."""
+        return self.replies([messages], pixels, max_new_tokens)[0]
+
+    def replies(
+        self, conversations: list[list[dict]], pixels: torch.Tensor | None, max_new_tokens: int = 8
+    ) -> list[str]:
+        """The greedy replies to several conversations at once; ``pixels`` holds every image part of the
+        first conversation, then of the second, and so on."""
         from vlm_assets.data.visualchat_data import prompt_ids
 
-        ids = prompt_ids(messages, self.tokenizer, self.image_token_id, self.num_image_tokens)
-        return self.tokenizer.decode(
-            list(self.stream(ids, pixels, max_new_tokens=max_new_tokens)), skip_special_tokens=True
-        ).strip()
+        prompts = [prompt_ids(m, self.tokenizer, self.image_token_id, self.num_image_tokens) for m in conversations]
+        return [
+            self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+            for ids in self.generate(prompts, pixels, max_new_tokens=max_new_tokens)
+        ]
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], pixels: torch.Tensor | None, max_new_tokens: int = 8
+    ) -> list[list[int]]:
+        """Greedy new token ids for a batch of prompts decoded together (left-padded, KV cache kept); a row
+        ends at the end-of-sequence token, the batch at ``max_new_tokens`` or the decoder's last position.
+        ``pixels`` are the prompts' images in order. Padding is a segment of its own (id 0) that no token
+        attends to, so each row decodes as it would alone."""
+        from transformers import DynamicCache
+
+        if not prompts:
+            return []
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        segments = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            segments[row, width - len(prompt) :] = 1
+        lengths = segments.sum(1)
+        image = ids == self.image_token_id
+        positions = (segments.cumsum(1) - 1).clamp(min=0)
+        embeds = self.embed(ids, pixels)
+        limit = decoder_positions(self.decoder.config)
+        steps = max_new_tokens if limit is None else min(max_new_tokens, limit - int(lengths.max()))
+        cache, out_ids = DynamicCache(), [[] for _ in prompts]
+        done = torch.zeros(len(prompts), dtype=torch.bool)
+        for _ in range(max(steps, 0)):
+            with attention_layout(Layout(segments, image, self.mmca)):
+                out = self.decoder(
+                    inputs_embeds=embeds,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            tokens = out.logits[:, -1].argmax(-1)
+            done |= tokens == self.tokenizer.eos_token_id
+            if bool(done.all()):
+                break
+            for row in (~done).nonzero().flatten().tolist():
+                out_ids[row].append(int(tokens[row]))
+            segments = torch.cat([segments, torch.ones(len(prompts), 1, dtype=torch.long)], dim=1)
+            image = torch.cat([image, torch.zeros(len(prompts), 1, dtype=torch.bool)], dim=1)
+            positions = lengths[:, None]
+            lengths = lengths + 1
+            embeds = self.decoder.get_input_embeddings()(tokens[:, None])
+        return out_ids
 
     @torch.no_grad()
     def stream(

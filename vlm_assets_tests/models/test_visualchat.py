@@ -169,6 +169,31 @@ def test_streaming_with_a_cache_equals_recomputing_every_step(clip_model):
     assert streamed == greedy
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_prompts_decoded_together_answer_as_each_alone(tmp_path, offline_data, arch):
+    """Left padding is a segment nothing attends to and positions start at each prompt's first token, so a
+    batch (prompts of other lengths and image counts) decodes every row as it would alone."""
+    config = VisualChatModelConfig(
+        encoder_kind="clip",
+        encoder=str(tiny_clip(tmp_path / "clip")),
+        projection="linear",
+        mmca=True,
+        decoder=str(tiny_decoder(tmp_path / arch, offline_data, arch)),
+    )
+    model = VisualChatModel.build(config).eval()
+    torch.manual_seed(1)
+    prompts = [
+        _sample(model, 1, "What is shown?", "")[0][:-1],
+        _sample(model, 2, "Which of these two pictures is a cat, the first or the second?", "")[0][:-1],
+        _sample(model, 0, "Hello", "")[0][:-1],
+    ]
+    images = [torch.rand(1, 3, 32, 32), torch.rand(2, 3, 32, 32), torch.rand(0, 3, 32, 32)]
+    alone = [list(model.stream(ids, px if len(px) else None, max_new_tokens=6)) for ids, px in zip(prompts, images)]
+    together = model.generate(prompts, torch.cat(images), max_new_tokens=6)
+    assert together == alone
+    assert len({len(p) for p in prompts}) == 3 and any(alone)  # padded rows, and something was generated
+
+
 def test_efficientnet_lite0_gives_49_tokens_of_1280_from_pretrained_weights(offline_data):
     from PIL import Image
 
