@@ -48,6 +48,9 @@ fi
 export PATH="$venv/bin:$PATH"
 export VLM_ASSETS_CACHE="${VLM_ASSETS_CACHE:-$HOME/.cache/vlm_assets}"
 PYTHON="$venv/bin/python" "$repo/scripts/fetch-offline-data.sh"
+# torch's large CPU tensors on transparent huge pages: a fresh 200 MB logits tensor costs several times
+# its arithmetic in page faults otherwise (measured in bench/results/; the launchers set it for workers).
+export THP_MEM_ALLOC_ENABLE="${THP_MEM_ALLOC_ENABLE:-1}"
 export MLFLOW_DISABLE_TELEMETRY=true MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR=false HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TORCH_EXTENSIONS_DIR="$VLM_ASSETS_CACHE/torch_extensions"
 # DeepSpeed (imported by transformers and peft when installed) warns at every import when it probes
 # for an accelerator and finds none: on a machine without NVIDIA's driver, name the CPU.
