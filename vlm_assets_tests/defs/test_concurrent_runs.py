@@ -5,10 +5,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from vlm_assets_tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 # Blocks of 4 tokens: ~15 s of building, so the second process starts while the first holds the lease.
@@ -37,14 +38,6 @@ def _launch(env: dict[str, str], log: Path) -> subprocess.Popen:
     )
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 def _two_runs(tmp_path: Path, env: dict[str, str], lease_visible) -> tuple[str, str]:
     from mlflow import MlflowClient
 
@@ -53,7 +46,7 @@ def _two_runs(tmp_path: Path, env: dict[str, str], lease_visible) -> tuple[str, 
     MlflowClient(env["MLFLOW_TRACKING_URI"]).search_experiments()  # create and migrate the db once
     first = _launch(env, tmp_path / "first.log")
     try:
-        _wait_for(lease_visible, 120, "the first run's lease")
+        wait_until(lease_visible, "the first run's lease", every=0.2)
         second = _launch(env, tmp_path / "second.log")
         assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-4000:]
         assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()[-4000:]

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from mlflow import MlflowClient
 
 from vlm_assets_tests.conftest import default_signals, free_port, training_workers
 from vlm_assets_tests.defs.test_gpt_assets import run_config
+from vlm_assets_tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -30,20 +30,11 @@ STATUS = """query($runId: ID!) { runOrError(runId: $runId) { ... on Run { status
 
 
 def _graphql(url: str, query: str, **variables):
-    response = requests.post(f"{url}/graphql", json={"query": query, "variables": variables}, timeout=30)
+    response = requests.post(f"{url}/graphql", json={"query": query, "variables": variables}, timeout=120)
     response.raise_for_status()
     body = response.json()
     assert "errors" not in body, body
     return body["data"]
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @dataclasses.dataclass
@@ -77,12 +68,11 @@ class Dev:
         """Worker pids, once ``checkpoints`` more checkpoints than now are committed while they train."""
         folder = self.home / "artifacts" / "checkpoints" / "gpt_checkpoint"
         target = len(list(folder.glob("*/step-*/_COMPLETE.json"))) + checkpoints
-        return _wait(
+        return wait_until(
             lambda: (
                 len(list(folder.glob("*/step-*/_COMPLETE.json"))) >= target
                 and training_workers("vlm_assets.train.gpt_pretrain", str(self.home))
             ),
-            240,
             "training with a committed checkpoint",
         )
 
@@ -143,7 +133,7 @@ def dev(request, tmp_path_factory, offline_data):
             except requests.RequestException:
                 return False
 
-        _wait(up, 120, "the webserver")
+        wait_until(up, "the webserver")
         yield Dev(
             url,
             tmp_path / "home",
@@ -175,9 +165,9 @@ def test_a_run_terminated_through_graphql_is_canceled_and_leaves_nothing_running
     run_id = dev.launch(executor="in_process" if dev.launcher == "local" else "multiprocess")
     dev.wait_for_training(checkpoints=1)
     assert _graphql(dev.url, TERMINATE, runId=run_id)["terminateRun"]["__typename"] == "TerminateRunSuccess"
-    status = _wait(lambda: (s := dev.status(run_id)) in ("CANCELED", "FAILURE", "SUCCESS") and s, 120, "the run to end")
+    status = wait_until(lambda: (s := dev.status(run_id)) in ("CANCELED", "FAILURE", "SUCCESS") and s, "the run to end")
     assert status == "CANCELED"
-    _wait(lambda: not training_workers("vlm_assets.train.gpt_pretrain", str(dev.home)), 15, "the workers to exit")
+    wait_until(lambda: not training_workers("vlm_assets.train.gpt_pretrain", str(dev.home)), "the workers to exit")
     assert not dev.pods()  # the step deleted its pods (and waited until they were gone) before it ended
     assert dev.mlflow_statuses(run_id) == ["KILLED"]
     assert not list((dev.home / "artifacts" / ".leases").glob("*.json"))  # released
@@ -200,12 +190,12 @@ def test_a_sigkilled_run_worker_ends_its_workers_and_the_run_fails(dev):
         pid, _ = run_worker(instance, run_id)
     os.kill(pid, signal.SIGKILL)
     if dev.launcher == "k8s":
-        _wait(lambda: not dev.pods(), 150, "the sensor to delete the dead run's pods")
-    _wait(lambda: not any(alive(w) for w in workers), 10, "the workers to die with the run worker (or their pods)")
-    status = _wait(lambda: (s := dev.status(run_id)) != "STARTED" and s, 90, "the run to be marked ended")
+        wait_until(lambda: not dev.pods(), "the sensor to delete the dead run's pods")
+    wait_until(lambda: not any(alive(w) for w in workers), "the workers to die with the run worker (or their pods)")
+    status = wait_until(lambda: (s := dev.status(run_id)) != "STARTED" and s, "the run to be marked ended")
     assert status == "FAILURE"
     # The step's MLflow run, which no code of the killed step could end, is ended by the sensor.
-    _wait(lambda: dev.mlflow_statuses(run_id) == ["KILLED"], 90, "the MLflow run to be ended KILLED")
+    wait_until(lambda: dev.mlflow_statuses(run_id) == ["KILLED"], "the MLflow run to be ended KILLED")
     with dg.DagsterInstance.from_config(str(dev.dagster_home)) as instance:
         reports = instance.get_records_for_run(
             run_id,

@@ -16,6 +16,7 @@ import requests
 
 from vlm_assets.launch.local import alive
 from vlm_assets_tests.conftest import free_port
+from vlm_assets_tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -23,15 +24,6 @@ LAUNCH = """mutation($params: ExecutionParams!) { launchRun(executionParams: $pa
   __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message }
   ... on RunConfigValidationInvalid { errors { message } } } }"""
 STATUS = """query($runId: ID!) { runOrError(runId: $runId) { ... on Run { status } } }"""
-
-
-def _wait(predicate, timeout: float, what: str, every: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class Team:
@@ -58,11 +50,11 @@ class Team:
     def status(self, run_id: str) -> str:
         return self.graphql(STATUS, runId=run_id)["runOrError"]["status"]
 
-    def wait_for_end(self, run_id: str, timeout: float = 600) -> str:
-        return _wait(
+    def wait_for_end(self, run_id: str) -> str:
+        return wait_until(
             lambda: (s := self.status(run_id)) in ("SUCCESS", "FAILURE", "CANCELED") and s,
-            timeout,
             f"run {run_id} to end",
+            timeout=1200,
             every=2,
         )
 
@@ -170,7 +162,7 @@ def _restart(team: Team, service: str) -> None:
     command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
     environ = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
     os.killpg(pid, signal.SIGTERM)
-    _wait(lambda: not alive(pid), 30, f"{service} to stop", every=0.2)
+    wait_until(lambda: not alive(pid), f"{service} to stop", every=0.2)
     time.sleep(5)
     with open(team.root / "logs" / f"{service}-restarted.log", "w") as log:
         restarted = subprocess.Popen(command, env=environ, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -237,7 +229,7 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
             r.event_log_entry.user_message.startswith("checkpoint step") for r in connection.records
         ) or team.status(main) in ("SUCCESS", "FAILURE")
 
-    _wait(main_gpt_checkpointed, 900, "the first gpt_job to commit a checkpoint", every=1)
+    wait_until(main_gpt_checkpointed, "the first gpt_job to commit a checkpoint", timeout=1200, every=1)
     assert team.status(main) == "STARTED", team.failure(main)
     _restart(team, "mlflow")
     # main_schedule ticks while the first run still trains (its tick waits for a minute boundary: not
@@ -249,7 +241,7 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
             runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/schedule_name": "main_schedule"}))
             return runs[0].run_id if runs else None
 
-        scheduled = _wait(scheduled_run, 150, "a tick of main_schedule to launch a run", every=2)
+        scheduled = wait_until(scheduled_run, "a tick of main_schedule to launch a run", every=2)
     finally:
         assert team.run("schedule", "stop", "main_schedule", "-w", "workspace.yaml").returncode == 0
     assert [team.wait_for_end(r, 900) for r in (main, other)] == ["SUCCESS", "SUCCESS"], [
