@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vlm_assets_tests.waiting import BOUND_S
+
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # In-process tests give their config over the seed defaults (the config classes' own); the demo
@@ -123,7 +125,7 @@ def s3_endpoint(tmp_path_factory):
             stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180  # a cold, loaded machine imports moto's ~100 service modules slowly
+    deadline = time.monotonic() + BOUND_S  # a cold, loaded machine imports moto's ~100 service modules slowly
     while proc.poll() is None and time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
             break
@@ -188,7 +190,7 @@ def mlflow_serve(model_uri: str, tracking_uri: str, log: Path):
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + BOUND_S
         while True:
             assert server.poll() is None, f"mlflow models serve exited {server.returncode}:\n{log.read_text()[-3000:]}"
             with contextlib.suppress(requests.ConnectionError):
@@ -262,6 +264,7 @@ class IsolatedEnv:
             "launcher": LocalTorchrunLauncher(),
         }
         self.log_messages: list[str] = []
+        self.seconds: float | None = None  # a fixture's own measure of its run, where it keeps one
 
     @property
     def store(self):
@@ -370,7 +373,7 @@ def kill_mid_training_and_relaunch(
 
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(command, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 400
+        deadline = time.monotonic() + BOUND_S
         while len(committed()) < checkpoints_before_kill and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert first.poll() is None, "the run ended before it could be killed"
@@ -378,7 +381,7 @@ def kill_mid_training_and_relaunch(
         first.kill()
         first.wait()
     at_kill = committed()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + BOUND_S
     while [pid for pid in tree[1:] if alive(pid)] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in tree[1:] if alive(pid)], "a torchrun agent or worker outlived the killed step"

@@ -21,6 +21,7 @@ from vlm_assets.defs.models.adapter_assets import occlusion_adapter
 from vlm_assets.defs.models.eval_assets import eval_report, registered_adapter
 from vlm_assets.train.run_config import overlay
 from vlm_assets_tests.conftest import IsolatedEnv, checks_of, kill_mid_training_and_relaunch, training_workers
+from vlm_assets_tests.waiting import BOUND_S
 
 pytestmark = pytest.mark.slow
 
@@ -312,7 +313,7 @@ def test_killed_worker_resumes_from_the_last_recovery_checkpoint(pipeline, offli
     killed = {}
 
     def kill_after_first_epoch():
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + BOUND_S
         while time.monotonic() < deadline:
             committed = [
                 p

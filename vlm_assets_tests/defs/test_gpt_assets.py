@@ -24,6 +24,7 @@ from vlm_assets.train.checkpoints import CHECKPOINT_FILE, latest_checkpoint
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.run_config import RunPaths, overlay, write_run_file
 from vlm_assets_tests.conftest import IsolatedEnv, checks_of, kill_mid_training_and_relaunch, training_workers
+from vlm_assets_tests.waiting import BOUND_S
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +66,9 @@ def outcome(result):
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory, offline_data, mlflow_uri):
     env = Env(tmp_path_factory.mktemp("gpt-ddp"), mlflow_uri)
+    started = time.monotonic()
     result = env.materialize(run_config(offline_data))
+    env.seconds = time.monotonic() - started  # this machine's time for the whole run, start-up included
     meta, checks = outcome(result)
     env.first_log_messages = env.log_messages
     history = json.loads((Path(meta["uri"]) / "history.json").read_text())
@@ -134,7 +137,7 @@ def _signal_after_checkpoints(env, marker: str, count: int, sig: int, pick=lambd
     seen = {}
 
     def watch():
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + BOUND_S
         while time.monotonic() < deadline:
             committed = sorted(env.root.glob("artifacts/checkpoints/gpt_checkpoint/*/step-*/_COMPLETE.json"))
             if len(committed) >= count and (pids := _workers(marker)):
@@ -237,10 +240,12 @@ def test_threshold_change_reruns_the_check_not_the_training(ddp_run, offline_dat
 
 def test_timeout_then_a_longer_timeout_resumes_from_the_last_checkpoint(ddp_run, tmp_path, offline_data, mlflow_uri):
     """The job is frozen (SIGSTOP) right after its first checkpoint, so the launcher's timeout fires at a
-    known step; the rerun with a raised timeout_s has the same key and resumes there."""
+    known step; the rerun with a raised timeout_s has the same key and resumes there. The timeout is this
+    machine's time for a whole uninterrupted run: the first checkpoint (step 6 of 30) comes before it."""
     env = Env(tmp_path, mlflow_uri)
     freezer, frozen = _signal_after_checkpoints(env, str(tmp_path), 1, signal.SIGSTOP)
-    first = env.materialize(run_config(offline_data, timeout_s=35), raise_on_error=False)
+    timeout_s = math.ceil(ddp_run[0].seconds)
+    first = env.materialize(run_config(offline_data, timeout_s=timeout_s), raise_on_error=False)
     freezer.join()
     assert frozen, "the job was never frozen after a checkpoint"
     assert not first.success
@@ -374,7 +379,7 @@ def test_k8s_launcher_trains_on_pods_and_a_killed_pod_is_retried_from_the_last_c
     command, env, checkpoints = _k8s_job(tmp_path, k8s_testbed, namespace, offline_data)
     with open(tmp_path / "job.log", "w") as log:
         job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 400
+        deadline = time.monotonic() + BOUND_S
         while (
             not list(checkpoints.glob("*/step-*/_COMPLETE.json")) and job.poll() is None and time.monotonic() < deadline
         ):

@@ -16,6 +16,7 @@ from dagster._core.storage.tags import GRPC_INFO_TAG
 from dagster._daemon.monitoring.run_monitoring import monitor_started_run
 
 from vlm_assets.defs.platform.run_launcher import LocalRunLauncher
+from vlm_assets_tests.waiting import BOUND_S
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = textwrap.dedent("""
@@ -43,7 +44,7 @@ def test_run_monitoring_fails_a_run_whose_worker_was_killed(tmp_path):
     try:
         with dg.DagsterInstance.from_config(str(home)) as instance:
             assert isinstance(instance.run_launcher, LocalRunLauncher) and instance.run_monitoring_enabled
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + BOUND_S
             while not (runs := instance.get_runs()) or runs[0].status != dg.DagsterRunStatus.STARTED:
                 assert time.monotonic() < deadline and worker.poll() is None, "the run never started"
                 time.sleep(0.2)

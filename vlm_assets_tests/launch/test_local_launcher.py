@@ -4,6 +4,7 @@ import pytest
 
 from vlm_assets.launch import LaunchFailed, LaunchSpec, run_local
 from vlm_assets.launch.local import alive
+from vlm_assets_tests.waiting import BOUND_S
 
 WORKER = "vlm_assets_tests.launch.allreduce_worker"
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -97,7 +98,7 @@ def test_sigkill_of_the_launching_process_ends_every_agent_and_worker():
     assert set(workers) <= set(tree) and len(tree) >= 6  # 2 agents + 4 workers (+ torch helpers)
     os.kill(step.pid, signal.SIGKILL)
     step.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + BOUND_S
     while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in tree if alive(pid)], "an agent or worker outlived its step"

@@ -6,6 +6,7 @@ import pytest
 
 from vlm_assets.storage import ArtifactNotFoundError, CorruptArtifactError, LocalArtifactStore, S3ArtifactStore
 from vlm_assets.storage.lease import LeaseHeldError, LeaseLostError, holder_record
+from vlm_assets_tests.waiting import BOUND_S
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -220,7 +221,7 @@ def test_a_lease_taken_over_while_held_forbids_the_commit(store):
     store.lease_remove("asset/l", state.token)  # as an expiry takeover by another attempt would
     assert store.lease_create("asset/l", json.dumps(holder_record("run-other")).encode())
     lease.ttl_s = 0.3  # renew often from the next renewal on
-    deadline = time.time() + 15
+    deadline = time.time() + BOUND_S
     while not lease.lost and time.time() < deadline:
         time.sleep(0.1)
     with pytest.raises(LeaseLostError, match="no longer held"):

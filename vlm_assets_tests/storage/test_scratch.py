@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from vlm_assets.storage.scratch import held_dir, sweep
+from vlm_assets_tests.waiting import BOUND_S
 
 HOLD = """
 import sys, time
@@ -44,7 +45,7 @@ def test_a_killed_holders_directory_is_removed_by_the_next_one_and_a_live_ones_i
     finally:
         alive.kill()
         alive.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + BOUND_S
     while Path(f"{alive_dir}.held").exists() and not sweep(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert list(tmp_path.iterdir()) == []

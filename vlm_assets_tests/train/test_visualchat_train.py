@@ -23,6 +23,7 @@ from vlm_assets.train.run_config import RunPaths, overlay, write_run_file
 from vlm_assets.train.visualchat_config import VisualChatTrainConfig
 from vlm_assets_tests.conftest import training_workers
 from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder, tiny_model_section
+from vlm_assets_tests.waiting import BOUND_S
 
 CIFAR = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -176,7 +177,7 @@ def test_sigkill_mid_training_resumes_at_the_same_step_and_loss_curve(zero2, inp
         [sys.executable, "-c", script], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     committed = tmp_path / "store" / "checkpoints" / "visualchat" / "step-00000003"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + BOUND_S
     while not committed.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
     assert committed.exists() and proc.poll() is None, "step 3 was never committed while the run was alive"
