@@ -12,6 +12,7 @@ assets commit them (scan recorded in the manifest), it times:
   judge the recorded scan. It must stay flat as the artifact grows.
 """
 
+import argparse
 import statistics
 import tempfile
 import time
@@ -70,6 +71,7 @@ def measure(store, key, root_scan, judge, checks):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     data = offline_data_dir()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,6 +6,7 @@ Both runs use a fresh embedded default in a temp dir (demo profile); the first b
 the second finds every artifact complete in the store and reports cache hits.
 """
 
+import argparse
 import os
 import subprocess
 import sys
@@ -37,6 +38,7 @@ def step_seconds(log: str, step: str) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         env = {
             **os.environ,

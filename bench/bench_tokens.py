@@ -11,6 +11,7 @@ first, then written, so the columns separate the two. Read: the train split thro
 ``StreamingDataset`` + ``DataLoader`` (batch 32) with 0 and 2 workers.
 """
 
+import argparse
 import gc
 import tempfile
 import time
@@ -45,6 +46,7 @@ def hf_batched_blocks(tokenizer, docs, batch=512):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     data = offline_data_dir()
     tokenizer = load_gpt2_tokenizer(str(data / "gpt2-tokenizer"))
     docs = list(paragraphs_of_files(str(data / "shakespeare" / "*.txt")))

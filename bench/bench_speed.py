@@ -1,0 +1,119 @@
+"""This checkout against an earlier commit, side by side on this machine: the first `main_job` on a fresh
+embedded default (wall time and each step's) and, with ``--suite``, the whole CPU test suite, once per
+kernel set (``native``; ``avx2`` makes an AVX-512 CPU use its AVX2 kernels, as the slowest machines of
+this kind do). Ratios are new / old in the same run.
+
+    python bench/bench_speed.py --baseline REV                    # main_job, native kernels
+    python bench/bench_speed.py --baseline REV --kernels native avx2 --suite --write
+
+The earlier commit is checked out into a temporary git worktree and runs on this checkout's virtual
+environment (its code first on PYTHONPATH), so only the code differs.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import bench_demo
+import results_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def worktree(rev: str) -> Path:
+    path = Path(tempfile.mkdtemp(prefix="bench-speed-")) / "baseline"
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=REPO, check=True, capture_output=True)
+    return path
+
+
+def main_job(code: Path, kernels: dict) -> dict:
+    """A fresh home's first main_job run of ``code``: wall seconds and each step's, and the gates' figures."""
+    home = Path(tempfile.mkdtemp(prefix="bench-speed-home-"))
+    env = {**bench_demo.fresh_home(home), **kernels}
+    seconds, log = bench_demo.execute(env, None, code)
+    report = bench_demo.newest(home, "eval_report") / "eval.json"
+    chat = bench_demo.newest(home, "visualchat_model") / "eval.json"
+    import json
+
+    r, c = json.loads(report.read_text()), json.loads(chat.read_text())
+    return {
+        "seconds": seconds,
+        "steps": bench_demo.step_seconds(log),
+        "gain_ci95_low": r["adapter_gain_ci95"][0],
+        "vqa_ci95_low": c["vqa"]["template"]["ci95"][0],
+    }
+
+
+def suite(code: Path, kernels: dict) -> dict:
+    """Wall seconds of the CPU suite of ``code`` (its own tests, this environment) and its closing line."""
+    env = {**os.environ, **kernels, "PYTHONPATH": str(code), "CUDA_VISIBLE_DEVICES": ""}
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "not gpu", "-p", "no:cacheprovider"],
+        cwd=code,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    return {"seconds": time.perf_counter() - started, "returncode": proc.returncode, "summary": last}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", required=True, help="the earlier commit (any git revision)")
+    parser.add_argument("--kernels", nargs="+", default=["native"], choices=sorted(results_file.KERNELS))
+    parser.add_argument("--suite", action="store_true", help="also time the whole CPU test suite of both")
+    parser.add_argument("--write", action="store_true", help="write bench/results/speed_<machine>_<date>.{md,json}")
+    args = parser.parse_args()
+    avx512 = any(v.startswith("avx512") for v in results_file.cpu()["vector_extensions"])
+    if "avx2" in args.kernels and not avx512:
+        print("this CPU has no AVX-512: its native kernels are the AVX2 ones; measuring `native` only")
+        args.kernels = sorted(set(args.kernels) - {"avx2"} | {"native"})
+    baseline = worktree(args.baseline)
+    rev = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=REPO, capture_output=True, text=True)
+    codes = {f"baseline {rev.stdout.strip()}": baseline, "this checkout": REPO}
+    results: dict = {}
+    try:
+        for kernel in args.kernels:
+            for name, code in codes.items():
+                print(f"== {kernel} kernels, {name}: main_job", flush=True)
+                results.setdefault(kernel, {})[name] = {"main_job": main_job(code, results_file.KERNELS[kernel])}
+                if args.suite:
+                    print(f"== {kernel} kernels, {name}: suite", flush=True)
+                    results[kernel][name]["suite"] = suite(code, results_file.KERNELS[kernel])
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, capture_output=True)
+
+    lines = []
+    for kernel, by_code in results.items():
+        (old_name, old), (new_name, new) = by_code.items()
+        lines += [f"## {kernel} kernels", "", f"| | {old_name} | {new_name} | new / old |", "|---|---:|---:|---:|"]
+        pairs = [("main_job, first run (s)", old["main_job"]["seconds"], new["main_job"]["seconds"])]
+        for step in dict.fromkeys([*old["main_job"]["steps"], *new["main_job"]["steps"]]):
+            pairs.append((f"  {step} (s)", old["main_job"]["steps"].get(step), new["main_job"]["steps"].get(step)))
+        if args.suite:
+            pairs.append(("test suite (s)", old["suite"]["seconds"], new["suite"]["seconds"]))
+        for label, a, b in pairs:
+            ratio = f"{b / a:.2f}" if a and b else "-"
+            lines.append(f"| {label} | {a or 0:.1f} | {b or 0:.1f} | {ratio} |")
+        for label, key in (("gain's 95 % lower bound", "gain_ci95_low"), ("VQA 95 % lower bound", "vqa_ci95_low")):
+            lines.append(
+                f"| {label} | {100 * old['main_job'][key]:+.1f} pts | {100 * new['main_job'][key]:+.1f} pts | |"
+            )
+        if args.suite:
+            lines.append(f"| suite's last line | {old['suite']['summary']} | {new['suite']['summary']} | |")
+        lines.append("")
+    markdown = "\n".join(lines)
+    print(markdown)
+    if args.write:
+        head = results_file.header(" ".join(["bench/bench_speed.py", *sys.argv[1:]]))
+        print(f"wrote {results_file.write('speed', head, markdown, {'baseline': args.baseline, 'results': results})}")
+
+
+if __name__ == "__main__":
+    main()
