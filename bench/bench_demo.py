@@ -4,6 +4,7 @@ memoized rerun, and the two models trained again with other seeds.
     python bench/bench_demo.py                   # training seeds 7 (the demo's), 8 and 9, fresh temp home
     python bench/bench_demo.py --seeds 7 --home /tmp/demo-home
     python bench/bench_demo.py --write           # also bench/results/demo_<machine>_<date>.{md,json}
+    python bench/bench_demo.py --seeds 7 --baseline REV --write   # and an earlier commit's time beside it
 
 A training seed is the seed of both trained models of the demo: `visualchat_model` (blend, split, data
 order, LoRA and projection init) and `occlusion_adapter` (init, data order); the data (manifests, token
@@ -128,11 +129,24 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[7, 8, 9], help="adapter training seeds")
     parser.add_argument("--home", type=Path, default=None, help="VLM_ASSETS_HOME (default: a fresh temp dir)")
     parser.add_argument("--write", action="store_true", help="write bench/results/demo_<machine>_<date>.{md,json}")
+    parser.add_argument(
+        "--baseline", help="first time an earlier commit's first main_job on this machine (bench_speed.py's way)"
+    )
     args = parser.parse_args()
     home = args.home or Path(tempfile.mkdtemp(prefix="bench-demo-"))
     env = fresh_home(home)
 
     rows, times, steps = [], {}, {}
+    if args.baseline:
+        import bench_speed
+
+        code = bench_speed.worktree(args.baseline)
+        try:
+            old = bench_speed.main_job(code, {})
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(code)], cwd=REPO, capture_output=True)
+        name = f"main_job of {args.baseline} (first run, fresh home)"
+        times[name], steps[name] = old["seconds"], old["steps"]
     fresh = not (home / "artifacts").exists()  # a home an earlier bench filled: data and GPT are cache hits
     for n, seed in enumerate(args.seeds):
         config = None
@@ -144,6 +158,8 @@ def main() -> None:
             " (first run, fresh home)" if n == 0 and fresh else " (data and GPT cached)"
         )
         times[name], log = execute(env, config)
+        if args.baseline and n == 0 and fresh:
+            times[f"{name} / baseline's"] = times[name] / times[f"main_job of {args.baseline} (first run, fresh home)"]
         steps[name] = step_seconds(log)
         if n == 0:
             times["main_job rerun (every asset a cache hit)"], _ = execute(env, None)
@@ -160,12 +176,12 @@ def main() -> None:
             "",
             quality_markdown(rows),
             "",
-            "| run | seconds |",
+            "| run | seconds (a ratio where named) |",
             "|---|---:|",
-            *(f"| {name} | {seconds:.1f} |" for name, seconds in times.items()),
+            *(f"| {name} | {seconds:.{2 if '/' in name else 1}f} |" for name, seconds in times.items()),
             "",
-            "| step | " + " | ".join(f"seed {seed}" for seed, _, _ in rows) + " |",
-            "|---|" + "---:|" * len(rows),
+            "| step (s) | " + " | ".join(steps) + " |",
+            "|---|" + "---:|" * len(steps),
             *(
                 f"| {step} | " + " | ".join(f"{run.get(step, float('nan')):.1f}" for run in steps.values()) + " |"
                 for step in step_names
