@@ -1,4 +1,4 @@
-"""The demo's quality and time, as the README states them: `main_job` on a fresh embedded default, its
+"""The demo's quality and time, as bench/results/demo_* record them: `main_job` on a fresh embedded default, its
 memoized rerun, and the two models trained again with other seeds.
 
     python bench/bench_demo.py                   # training seeds 7 (the demo's), 8 and 9, fresh temp home

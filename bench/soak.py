@@ -30,7 +30,7 @@ the soak then runs the same key again, as a user or the schedule would (a relaun
 
 Invariants checked after every run (any violation: exit 1): it ended with exactly one materialization
 and one committed key; its loss (GPT's val loss, VisualChat's held-out loss of the merged model) equals
-the reference's within 1e-5 (the README's resume tolerance); every kill resumed from the last checkpoint
+the reference's within 1e-5 (the resume tolerance of docs/reliability.md); every kill resumed from the last checkpoint
 committed before it (lost work < one checkpoint interval); no training process, pod, lease, scratch
 directory, Dagster run in progress or RUNNING MLflow run is left; the reader never saw a committed key
 whose files disagree with its manifest. Prints one row per run (with its time lost: its seconds less its

@@ -1,7 +1,7 @@
 """The seed profile's paths at tiny size (marker ``seedshape``; scripts/test.sh runs them): each asset is
 materialized from the definitions loaded under ``VLM_ASSETS_PROFILE=seed`` (the config classes' own
 defaults, conftest.py) with only sizes and the locations of data and weights overridden, so the code a
-seed run takes on GPUs (README, Profiles) has run on CPU before anyone rents one.
+seed run takes on GPUs (docs/assets.md, profiles) has run on CPU before anyone rents one.
 
 Seed row -> what runs here instead:
 - CIFAR-10 from its official URL, md5-checked -> the same URL's path on a loopback mirror

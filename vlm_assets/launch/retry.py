@@ -6,7 +6,7 @@ they cannot double up: torchrun runs with ``--max-restarts=0`` (``launch.local``
 a Kubernetes pod has ``restartPolicy: Never`` and a Job ``backoffLimit: 0`` (``launch.k8s``). Every
 launcher reports a failure as a ``LaunchFailed`` and ``rule_for`` reads it the same way, from what the
 launcher saw itself (``cause``: the time limit, a pod that never scheduled, an evicted or deleted pod)
-or else from the exit codes and the last lines. README, "When a training job fails".
+or else from the exit codes and the last lines. docs/reliability.md tabulates the rules.
 """
 
 import dataclasses
@@ -19,7 +19,7 @@ from vlm_assets.launch.spec import BAD_INPUT_EXIT
 class Rule:
     cause: str
     retry: bool
-    seen_as: str  # how a launcher recognises it (the README's table is these rows)
+    seen_as: str  # how a launcher recognises it (docs/reliability.md's table is these rows)
 
 
 RULES = {

@@ -54,8 +54,8 @@ class VisualChatData(Settings):
     chat_datasets: dict[str, int | None] = Field(
         default={},
         description=(
-            "Chat datasets (OpenAI messages JSONL, LLaVA JSON, Hugging Face Parquet or datasets folder; README "
-            "'Chat datasets') -> how many samples of each to blend in (null: all; more: repeated)."
+            "Chat datasets (OpenAI messages JSONL, LLaVA JSON, Hugging Face Parquet or datasets folder; "
+            "docs/data-formats.md) -> how many samples of each to blend in (null: all; more: repeated)."
         ),
     )
     chat_format: Literal["auto", "openai", "llava", "hf"] = Field(

@@ -290,7 +290,7 @@ def test_sigkill_of_the_dagster_process_ends_its_workers_and_the_relaunch_resume
 def test_a_rerun_on_another_world_size_resumes_and_ends_near_the_same_loss(ddp_run, tmp_path, offline_data, mlflow_uri):
     """Frozen at 2 nodes after its first checkpoint, rerun on 1 node x 1 process (a run field: same
     key): the consolidated checkpoint loads at the other world size, accumulation doubles, training
-    ends at max_steps with its checks passing. Not bit-exact (README): the final val loss drifted by
+    ends at max_steps with its checks passing. Not bit-exact (docs/training.md): the final val loss drifted by
     0.12 nats (7.51 vs 7.39) when measured; the bound here is 5 %."""
     env = Env(tmp_path, mlflow_uri)
     freezer, frozen = _signal_after_checkpoints(env, str(tmp_path), 1, signal.SIGSTOP)

@@ -1,6 +1,6 @@
 """The one retry rule (``vlm_assets.launch.retry``) read off real failures: torchrun processes whose
 rank fails each way while its peer waits in a gloo collective, torchrun's own rendezvous timeout, a
-real S3 client facing a closed port, a real traceback. And the README's table is the rule's table."""
+real S3 client facing a closed port, a real traceback. And docs/reliability.md's table is the rule's table."""
 
 import subprocess
 import sys

@@ -111,7 +111,7 @@ def team(offline_data):
     env = {
         **os.environ,
         "VLM_SERVICES_WEB_PORT": str(free_port()),
-        "VLM_ASSETS_PROFILE": "demo",  # the README's team setup (the in-process tests run "seed")
+        "VLM_ASSETS_PROFILE": "demo",  # docs/operations.md's team setup (the in-process tests run "seed")
         # main_schedule every minute, so that a tick is seen within a test
         "VLM_ASSETS_SCHEDULE_CRON": "* * * * *",
         "VLM_ASSETS_SCHEDULE_JOB": "gpt_job",

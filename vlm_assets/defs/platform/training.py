@@ -22,7 +22,7 @@ from vlm_assets.defs.platform.memo import AssetConfig, Built, Step, memoized_ass
 from vlm_assets.launch.spec import QUANTITY
 from vlm_assets.train.run_config import RunConfig, Settings, step_field
 
-# Dagster's retry of a training step (the one layer that retries: README "one retry rule"). A retry
+# Dagster's retry of a training step (the one layer that retries: docs/reliability.md). A retry
 # resumes from the newest intact checkpoint of the same key.
 TRAINING_RETRY = dg.RetryPolicy(max_retries=2, delay=2)
 
