@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU kit (issue 23), in parts that fit the lent GPU machine's calls (scripts/gpu_kit.py says how):
+# The GPU kit, in parts that fit the lent GPU machine's calls (scripts/gpu_kit.py says how):
 #   scripts/gpu-check.sh --plan      # anywhere, no GPU: each device call's parts and budgets, the carry, its size
 #   scripts/gpu-check.sh --fetch     # here (PyPI reachable): py3.12 wheels + offline data into .gpu-carry/
 #   scripts/gpu-check.sh --call N    # on the GPU machine (carry .gpu-carry): the carry installed, call N's parts

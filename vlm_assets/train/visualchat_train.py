@@ -149,12 +149,12 @@ class Rows(Dataset):
 
 class EpochSampler(StatefulDistributedSampler):
     """torchdata's resumable ``DistributedSampler`` (the same order), whose state also holds its epoch.
+
     A restored loader draws the rest of its epoch's order before Lightning sets the sampler's epoch, so
-    without it a run resumed in its second epoch trained on the rest of the first epoch's order
-    (bench/soak.py: resumed at step 16 of 24, the held-out loss 0.007 off the uninterrupted run's).
-    A state saved after its epoch's last batch is the next epoch's start: torchdata's sampler would
-    skip that many samples of the next epoch's order, leaving it empty, and Lightning would go on
-    with the epoch after (the soak again: resumed at step 16 of 24, 16 steps an epoch, 0.012 off)."""
+    without the epoch in the state a run resumed in its second epoch would train on the rest of the
+    first epoch's order. A state saved after its epoch's last batch is the next epoch's start:
+    torchdata's sampler would skip that many samples of the next epoch's order, leaving it empty, and
+    Lightning would go on with the epoch after. (Both are regression tests in test_visualchat_train.)"""
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "epoch": self.epoch}
@@ -224,9 +224,8 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     L.seed_everything(config.seed, verbose=False)
     model = build_model(config)
     # Training mode for every module but a frozen encoder (VisualChatModel.train: fixed batch-norm
-    # statistics), set here so that a fresh run and a resumed one train alike: until the soak, only the
-    # fresh run's held-out evaluation before training set it (a resumed run trained the encoder's
-    # batch norms in whatever mode the encoder was built in).
+    # statistics), set here so that a fresh run and a resumed one (which skips the evaluation before
+    # training) train alike.
     model.train()
     manifests = Path(paths.inputs["occlusion_manifests"]) if "occlusion_manifests" in paths.inputs else None
     try:
@@ -290,11 +289,11 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
 
 @torch.no_grad()
 def evaluate(model: VisualChatModel, samples: list[vd.Sample], device: torch.device) -> float:
-    """Mean answer-token loss over the held-out samples (every rank the same, sharded or not). Each module
-    is left in the mode it was in: ``model.train()`` after the evaluation before training set modes in
-    a fresh run that a resumed one, which skips it, never had (bench/soak.py found the two ending 0.006
-    apart); ``train`` sets them once for both. By hand: torch has no "restore modes", and Lightning's is
-    private."""
+    """Mean answer-token loss over the held-out samples (every rank the same, sharded or not).
+
+    Each module is left in the mode it was in, so that a fresh run (which evaluates before training) and
+    a resumed one (which does not) train in the same modes. By hand: torch has no "restore modes", and
+    Lightning's is private."""
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     pad, size = model.tokenizer.pad_token_id, model.encoder.image_size

@@ -86,7 +86,7 @@ def vqa_exact_match_meets_threshold(judged: Judged) -> dg.AssetCheckResult:
     return lower_bound_check(
         "vqa_exact_match",
         metrics["vqa_exact_match"],
-        metrics.get("vqa_exact_match_ci95_low", metrics["vqa_exact_match"]),  # a model built before intervals
+        metrics["vqa_exact_match_ci95_low"],
         ("min_exact_match", judged.settings.min_exact_match),
         int(metrics["vqa_images"]),
         what="exact match on held-out images",
