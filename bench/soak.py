@@ -33,7 +33,8 @@ and one committed key; its loss (GPT's val loss, VisualChat's held-out loss of t
 the reference's within 1e-5 (the resume tolerance of docs/reliability.md); every kill resumed from the last checkpoint
 committed before it (lost work < one checkpoint interval); no training process, pod, lease, scratch
 directory, Dagster run in progress or RUNNING MLflow run is left; the reader never saw a committed key
-whose files disagree with its manifest. Prints one row per run (with its time lost: its seconds less its
+whose files disagree with its manifest, nor a manifest it could not read; every scheduled fault fired.
+A soak cut short by ``--max-minutes`` exits 2. Prints one row per run (with its time lost: its seconds less its
 reference's) and writes ``soak.json`` (faults, retries, causes, resumed-from step, time, the final
 artifact's key and sha256 digest) into ``--out``.
 """
@@ -312,6 +313,30 @@ def serve(command: list[str], port: int, what: str, log: Path) -> subprocess.Pop
         time.sleep(0.2)
 
 
+def torn_problems(reader, key: str) -> list[str]:
+    """What a reader finds wrong with a committed key (sizes against its manifest, or a manifest it cannot
+    read); nothing for a key deleted meanwhile (keep_last deletes the manifest first)."""
+    from vlm_assets.storage import ArtifactNotFoundError
+
+    try:
+        problems = reader.quick_verify(key)
+    except ArtifactNotFoundError:
+        return []
+    except Exception as err:  # an unreadable or partial manifest: what the watcher is for
+        return [f"unreadable manifest: {type(err).__name__}: {err}"]
+    return problems if problems and reader.exists(key) else []
+
+
+def unfired(faults: list[Fault]) -> list[str]:
+    """A scheduled fault that never fired is a soak that did not test what it says."""
+    return [f"fault {f.kind} after step {f.after_step} never fired" for f in faults if f.fired_at is None]
+
+
+def exit_status(rows: list[dict], unfinished: int) -> int:
+    """1 when a run broke an invariant, else 2 when --max-minutes left runs undone, else 0."""
+    return 1 if any(row["problems"] for row in rows) else (2 if unfinished else 0)
+
+
 class Soak:
     def __init__(self, args):
         self.args = args
@@ -555,17 +580,16 @@ class Soak:
                     ballast = None
                 elif ballast:
                     fill(scratch)  # still full: space freed since (an uploaded checkpoint's staging) is taken
-                with contextlib.suppress(Exception):  # a key deleted by keep_last between list and read
-                    for prefix_ in (target.asset, target.upstream):
-                        for key in reader.list_complete(prefix_):
-                            if key not in checked and (problems := reader.quick_verify(key)):
-                                torn.append(f"{key}: {problems}")
-                            checked.add(key)
-                    keys = checkpoint_keys()
-                    for key in keys:
-                        if problems := reader.quick_verify(key):
+                for prefix_ in (target.asset, target.upstream):
+                    for key in reader.list_complete(prefix_):
+                        if key not in checked and (problems := torn_problems(reader, key)):
                             torn.append(f"{key}: {problems}")
-                    steps[:] = sorted(int(k.rsplit("-", 1)[1]) for k in keys)
+                        checked.add(key)
+                keys = checkpoint_keys()
+                for key in keys:
+                    if problems := torn_problems(reader, key):
+                        torn.append(f"{key}: {problems}")
+                steps[:] = sorted(int(k.rsplit("-", 1)[1]) for k in keys)
                 if pending and steps and steps[-1] >= pending[0].after_step:
                     fault = pending.pop(0)
                     fault.fired_at, fault.fired_time = steps[-1], time.time()
@@ -665,6 +689,7 @@ class Soak:
         meta = {k: getattr(v, "value", v) for k, v in materializations[0].metadata.items()} if materializations else {}
 
         problems = list(torn)
+        problems += unfired(faults)
         if not success or len(materializations) != 1:
             failure = next((e for e in reversed(events) if e.event_type_value == "STEP_FAILURE"), None)
             problems.append(
@@ -851,7 +876,7 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     deadline = time.monotonic() + args.max_minutes * 60
     targets = [TARGETS[name] for name in dict.fromkeys(args.assets)]
-    rows, references = [], {}
+    rows, references, unfinished = [], {}, 0
     try:
         for target in targets:  # one uninterrupted run of each
             references[target.asset] = soak.materialize("reference", target, [])
@@ -859,6 +884,7 @@ def main(argv=None) -> int:
         for i in range(args.runs):
             if time.monotonic() > deadline:
                 print(f"--max-minutes {args.max_minutes} reached: {i} of {args.runs} runs done", file=sys.stderr)
+                unfinished = args.runs - i
                 break
             target = targets[i % len(targets)]
             kinds = KINDS if args.launcher == "k8s" else tuple(k for k in KINDS if k not in POD_KINDS)
@@ -876,8 +902,7 @@ def main(argv=None) -> int:
     (Path(args.out) / "soak.json").write_text(json.dumps({"seed": args.seed, "runs": rows}, indent=1))
     print(table(rows))
     print(f"S3 writes failed by the proxy: {soak.proxy.injected}; report: {Path(args.out) / 'soak.json'}")
-    bad = [row for row in rows if row["problems"]]
-    return 1 if bad else 0
+    return exit_status(rows, unfinished)
 
 
 if __name__ == "__main__":

@@ -139,3 +139,33 @@ def test_the_full_disk_stays_full_until_its_fault_ends(tmp_path):
     assert full == 0 and size >= 4 << 20  # full, with the 3 MiB staged beside the ballast
     assert freed >= 3 << 20
     assert refilled == 0
+
+
+def test_the_watcher_reports_a_partial_file_and_an_unreadable_manifest_not_a_deleted_key(tmp_path):
+    from vlm_assets.storage import LocalArtifactStore
+
+    soak = _soak_module()
+    store = LocalArtifactStore(str(tmp_path / "store"))
+    for key in ("a/intact", "a/partial", "a/unreadable", "a/deleted"):
+        with store.staging_dir(key) as staging:
+            (staging / "weights.bin").write_bytes(b"x" * 1000)
+            store.commit(key, staging, {})
+    (store.local_path("a/partial") / "weights.bin").write_bytes(b"x" * 10)
+    manifest = store.local_path("a/unreadable") / "_COMPLETE.json"
+    manifest.write_text(manifest.read_text()[:40])  # cut mid-write
+    store.delete("a/deleted")
+    assert soak.torn_problems(store, "a/intact") == []
+    assert soak.torn_problems(store, "a/partial") == ["weights.bin: 10 bytes, the manifest says 1000"]
+    assert soak.torn_problems(store, "a/unreadable")[0].startswith("unreadable manifest: ")
+    assert soak.torn_problems(store, "a/deleted") == []
+
+
+def test_a_fault_that_never_fired_or_a_soak_cut_short_is_a_failure():
+    soak = _soak_module()
+    fired = soak.Fault("s3-500", 6, 8, fired_at=6, fired_time=1.0)
+    never = soak.Fault("disk-full", 18)
+    assert soak.unfired([fired, never]) == ["fault disk-full after step 18 never fired"]
+    ok, broken = {"problems": []}, {"problems": ["fault disk-full after step 18 never fired"]}
+    assert soak.exit_status([ok], unfinished=0) == 0
+    assert soak.exit_status([ok, broken], unfinished=0) == 1
+    assert soak.exit_status([ok], unfinished=2) == 2
