@@ -264,15 +264,7 @@ class VisualChatModel(nn.Module):
         cache, out_ids = DynamicCache(), [[] for _ in prompts]
         done = torch.zeros(len(prompts), dtype=torch.bool)
         for _ in range(max(steps, 0)):
-            with attention_layout(Layout(segments, image, self.mmca)):
-                out = self.decoder(
-                    inputs_embeds=embeds,
-                    position_ids=positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-            tokens = out.logits[:, -1].argmax(-1)
+            tokens = self._next_logits(embeds, positions, cache, segments, image).argmax(-1)
             done |= tokens == self.tokenizer.eos_token_id
             if bool(done.all()):
                 break
@@ -284,6 +276,15 @@ class VisualChatModel(nn.Module):
             lengths = lengths + 1
             embeds = self.decoder.get_input_embeddings()(tokens[:, None])
         return out_ids
+
+    def _next_logits(self, embeds, positions, cache, segments, image) -> torch.Tensor:
+        """(B, vocab) logits at each row's last position for the new ``embeds``; ``cache`` is extended.
+        ``segments`` and ``image`` cover every key position so far (0 = padding)."""
+        with attention_layout(Layout(segments, image, self.mmca)):
+            out = self.decoder(
+                inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+            )
+        return out.logits[:, -1]
 
     @torch.no_grad()
     def stream(
@@ -307,17 +308,9 @@ class VisualChatModel(nn.Module):
         length = ids.shape[1]
         limit = decoder_positions(self.decoder.config) or length + max_new_tokens
         for _ in range(min(max_new_tokens, limit - length)):  # a position table ends at its last row
-            layout = Layout(torch.ones(1, length, dtype=torch.long), image, self.mmca)
             positions = torch.arange(length - embeds.shape[1], length)[None]
-            with attention_layout(layout):
-                out = self.decoder(
-                    inputs_embeds=embeds,
-                    position_ids=positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-            token = _pick(out.logits[0, -1], temperature, top_p, generator)
+            logits = self._next_logits(embeds, positions, cache, torch.ones(1, length, dtype=torch.long), image)
+            token = _pick(logits[0], temperature, top_p, generator)
             if token == self.tokenizer.eos_token_id:
                 return
             yield token
