@@ -323,3 +323,59 @@ def test_instance_migrate_on_a_copy_keeps_every_run(team):
         copy = dg.DagsterInstance.from_config(team.env["DAGSTER_HOME"])
         assert sorted(r.run_id for r in copy.get_runs()) == sorted(r.run_id for r in original.get_runs())
         assert {r.run_id: r.status for r in copy.get_runs()} == {r.run_id: r.status for r in original.get_runs()}
+
+
+SHOUT = """
+import mlflow
+from mlflow.pyfunc import PythonModel
+
+
+class Shout(PythonModel):
+    def predict(self, context, model_input, params=None):
+        return [text.upper() for text in model_input["text"]]
+
+
+mlflow.models.set_model(Shout())
+"""
+
+
+def test_a_model_registers_through_the_tracking_server_and_its_champion_predicts(team, tmp_path):
+    """register_once through the team's MLflow server (Postgres backend store, artifacts proxied to S3):
+    a version tagged with its weights, the champion alias, `models:/<name>@champion` loaded back through
+    the server and predicting; the same weights again make no second version. A server, unlike a local
+    store, refuses a version whose `models:/m-...` source comes without the logged model's id."""
+    import mlflow
+    import pandas as pd
+    from mlflow.exceptions import MlflowException
+    from mlflow.models import infer_signature
+
+    from vlm_assets.models.registry import log_pyfunc, register_once
+
+    uri = team.env["MLFLOW_TRACKING_URI"]
+    assert uri.startswith("http://127.0.0.1:")
+    mlflow.set_tracking_uri(uri)
+    client = mlflow.MlflowClient(uri)
+    experiment = client.get_experiment_by_name("team-registry") or client.get_experiment(
+        client.create_experiment("team-registry")
+    )
+    run = client.create_run(experiment.experiment_id)
+    code = tmp_path / "shout.py"
+    code.write_text(SHOUT)
+    example = pd.DataFrame({"text": ["ankle boot"]})
+    logged = []
+
+    def log_model():
+        logged.append(log_pyfunc(run.info.run_id, uri, code, infer_signature(example, ["ANKLE BOOT"]), example, {}))
+        return logged[-1]
+
+    first = register_once(client, "shout", "champion", "ab" * 32, log_model, "a test model")
+    assert (first.version, first.action) == ("1", "registered")
+    again = register_once(client, "shout", "champion", "ab" * 32, log_model, "a test model")
+    assert (again.version, again.action) == ("1", "already current") and len(logged) == 1
+    version = client.get_model_version_by_alias("shout", "champion")
+    assert version.version == "1" and version.tags["weights_sha256"] == "ab" * 32
+    assert client.get_model_version_download_uri("shout", "1").startswith("mlflow-artifacts:")  # proxied to S3
+    model = mlflow.pyfunc.load_model("models:/shout@champion")
+    assert list(model.predict(pd.DataFrame({"text": ["sandal", "bag"]}))) == ["SANDAL", "BAG"]
+    with pytest.raises(MlflowException):
+        client.create_model_version("shout", logged[0].model_uri, run_id=logged[0].run_id)
