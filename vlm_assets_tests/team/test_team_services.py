@@ -244,7 +244,7 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
         scheduled = wait_until(scheduled_run, "a tick of main_schedule to launch a run", every=2)
     finally:
         assert team.run("schedule", "stop", "main_schedule", "-w", "workspace.yaml").returncode == 0
-    assert [team.wait_for_end(r, 900) for r in (main, other)] == ["SUCCESS", "SUCCESS"], [
+    assert [team.wait_for_end(r) for r in (main, other)] == ["SUCCESS", "SUCCESS"], [
         team.failure(r) for r in (main, other)
     ]
 
@@ -278,7 +278,7 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
     assert any(o["Key"].endswith(f"{gpt[0].info.run_id}/artifacts/loss_curve.png") for o in stored.get("Contents", []))
 
     assert instance.get_run_by_id(scheduled).job_name == "gpt_job"
-    assert team.wait_for_end(scheduled, 600) == "SUCCESS", team.failure(scheduled)
+    assert team.wait_for_end(scheduled) == "SUCCESS", team.failure(scheduled)
     events = instance.get_records_for_run(scheduled, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION).records
     caches = {
         e.event_log_entry.dagster_event.asset_key.to_user_string(): getattr(
