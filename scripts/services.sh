@@ -18,17 +18,33 @@ pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1; }
 # Postgres refuses to run as root: as root, its processes run as the `postgres` user.
 as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
 
+running() {  # PID: the process exists and is not a zombie
+  local state
+  state=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)
+  [ -n "$state" ] && [ "$state" != Z ]
+}
+
+any_recorded_running() {
+  local name pid
+  while read -r name pid; do running "$pid" && return 0; done < "$dir/pids"
+  return 1
+}
+
 stop_recorded() {
   [ -f "$dir/pids" ] || return 0
   # each service leads its own process group (setsid): its workers go with it
   tac "$dir/pids" | while read -r name pid; do kill -- "-$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true; done
-  for _ in $(seq 1 100); do
-    alive=0
-    while read -r name pid; do kill -0 "$pid" 2>/dev/null && alive=1; done < "$dir/pids"
-    [ "$alive" = 0 ] && break
+  for _ in $(seq 1 100); do  # 20 s of grace, then SIGKILL
+    any_recorded_running || break
     sleep 0.2
   done
   while read -r name pid; do kill -9 -- "-$pid" 2>/dev/null || true; done < "$dir/pids"
+  # SIGKILL is not an exit: a large process takes a while to go on a loaded machine. Return once they are
+  # gone, as `down` promises (bounded only against a process the kernel cannot end).
+  for _ in $(seq 1 3000); do
+    any_recorded_running || break
+    sleep 0.2
+  done
   rm -f "$dir/pids"
 }
 
