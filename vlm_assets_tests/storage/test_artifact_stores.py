@@ -225,7 +225,7 @@ def test_stale_lease_of_a_dead_holder_expires_and_only_one_takes_it_over(store):
 
 
 def test_a_lease_taken_over_while_held_forbids_the_commit(store):
-    lease = store.lease("asset/l", holder_record("run-slow"), ttl_s=30)
+    lease = store.lease("asset/l", holder_record("run-slow"), ttl_s=3)  # renewed every second
     assert lease.try_acquire() is None
     state = store.lease_read("asset/l")
     store.lease_remove("asset/l", state.token)  # as an expiry takeover by another attempt would

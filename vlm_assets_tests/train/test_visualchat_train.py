@@ -427,6 +427,7 @@ class Terminal:
         return os.waitstatus_to_exitcode(status)
 
 
+@pytest.mark.slow  # the zero2 fixture: a two-process DeepSpeed training
 def test_the_chat_cli_answers_a_two_image_two_round_conversation_in_a_terminal(zero2, offline_data):
     _, work = zero2
     cat, ship = (offline_data / "cifar10-samples" / name for name in ("cifar10_00_3.png", "cifar10_01_8.png"))
