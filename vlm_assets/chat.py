@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     images: list[torch.Tensor] = []
     pending: list[dict] = []
     print(
-        f"VisualChat {directory} ({model.spec['encoder_kind']} + {model.spec['projection']}): "
+        f"VisualChat {directory} ({model.spec.encoder_kind} + {model.spec.projection}): "
         "/image PATH attaches an image, /reset, /quit",
         flush=True,
     )
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if line.startswith("/image"):
             path = Path(line.removeprefix("/image").strip()).expanduser()
-            if len(images) + len(pending) >= model.spec["max_images"]:
-                print(f"(at most {model.spec['max_images']} images in a conversation)", flush=True)
+            if len(images) + len(pending) >= model.spec.max_images:
+                print(f"(at most {model.spec.max_images} images in a conversation)", flush=True)
             elif not path.is_file():
                 print(f"(no image file {path})", flush=True)
             else:

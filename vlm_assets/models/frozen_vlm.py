@@ -251,14 +251,13 @@ def check_prompt_lengths(backbone: str, rows: list[dict], image_size: int, max_l
 
 
 def _check_visualchat_lengths(directory: Path, first_line: dict, max_length: int, where: str) -> None:
-    import json
-
     from transformers import AutoConfig, AutoTokenizer
 
     from vlm_assets.data import visualchat_data as vd
     from vlm_assets.models.visualchat import decoder_positions
+    from vlm_assets.models.visualchat_spec import VisualChatSpec
 
-    spec = json.loads((directory / "visualchat.json").read_text())
+    spec = VisualChatSpec.read(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory / "decoder")
     positions = decoder_positions(AutoConfig.from_pretrained(directory / "decoder"))
     limit = min(max_length, positions or max_length)
@@ -267,8 +266,8 @@ def _check_visualchat_lengths(directory: Path, first_line: dict, max_length: int
             vd.render(
                 vd.ChatRecord(one_image_turn(prompt, label), [], f"{where}:{line}"),
                 tokenizer,
-                spec["image_token_id"],
-                spec["num_image_tokens"],
+                spec.image_token_id,
+                spec.num_image_tokens,
                 limit,
             )
         except ValueError as err:

@@ -15,7 +15,6 @@ Saved layout (``save_pretrained``), loadable with transformers + safetensors alo
     decoder/               the (merged) decoder and its tokenizer, ``<image>`` included
 """
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,21 +26,20 @@ from vlm_assets.models import visualchat_attention
 from vlm_assets.models.projections import build_projection, tokens_out
 from vlm_assets.models.vision_encoders import VisionEncoder, build_encoder, load_encoder
 from vlm_assets.models.visualchat_attention import Layout, attention_layout
-from vlm_assets.models.visualchat_spec import VisualChatModelConfig
+from vlm_assets.models.visualchat_spec import VisualChatModelConfig, VisualChatSpec
 from vlm_assets.paths import require_local
 
 IMAGE_TOKEN = "<image>"
-SPEC_FILE = "visualchat.json"
 
 
 class VisualChatModel(nn.Module):
-    def __init__(self, encoder: VisionEncoder, projection: nn.Module, decoder: nn.Module, tokenizer, spec: dict):
+    def __init__(
+        self, encoder: VisionEncoder, projection: nn.Module, decoder: nn.Module, tokenizer, spec: VisualChatSpec
+    ):
         super().__init__()
         self.encoder, self.projection, self.decoder, self.tokenizer = encoder, projection, decoder, tokenizer
         self.spec = spec
-        self.image_token_id: int = spec["image_token_id"]
-        self.num_image_tokens: int = spec["num_image_tokens"]
-        self.mmca: bool = spec["mmca"]
+        self.image_token_id, self.num_image_tokens, self.mmca = spec.image_token_id, spec.num_image_tokens, spec.mmca
         self._feature_cache: dict[bytes, torch.Tensor] | None = None
 
     def train(self, mode: bool = True) -> "VisualChatModel":
@@ -83,21 +81,21 @@ class VisualChatModel(nn.Module):
             num_tokens_in=encoder.num_tokens,
             num_queries=config.num_queries,
         )
-        spec = {
-            "encoder_kind": encoder.kind,
-            "projection": config.projection,
-            "num_queries": config.num_queries,
-            "encoder_dim": encoder.hidden_size,
-            "decoder_dim": width,
-            "encoder_tokens": encoder.num_tokens,
-            "num_image_tokens": tokens_out(config.projection, encoder.num_tokens, config.num_queries),
-            "image_token": IMAGE_TOKEN,
-            "image_token_id": tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-            "mmca": config.mmca,
-            "max_images": config.max_images,
-            "max_length": config.max_length,
-            "preprocessing": encoder.preprocessing(),
-        }
+        spec = VisualChatSpec(
+            encoder_kind=encoder.kind,
+            projection=config.projection,
+            num_queries=config.num_queries,
+            encoder_dim=encoder.hidden_size,
+            decoder_dim=width,
+            encoder_tokens=encoder.num_tokens,
+            num_image_tokens=tokens_out(config.projection, encoder.num_tokens, config.num_queries),
+            image_token=IMAGE_TOKEN,
+            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+            mmca=config.mmca,
+            max_images=config.max_images,
+            max_length=config.max_length,
+            preprocessing=encoder.preprocessing(),
+        )
         return cls._assemble(encoder, projection, decoder, tokenizer, spec)
 
     @classmethod
@@ -123,7 +121,7 @@ class VisualChatModel(nn.Module):
         finally:
             self.decoder.set_attn_implementation(visualchat_attention.ATTENTION)
         self.tokenizer.save_pretrained(directory / "decoder")
-        (directory / SPEC_FILE).write_text(json.dumps(self.spec, indent=1))
+        self.spec.write(directory)
         return directory
 
     @classmethod
@@ -132,16 +130,14 @@ class VisualChatModel(nn.Module):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         directory = Path(directory)
-        if not (directory / SPEC_FILE).is_file():
-            raise FileNotFoundError(f"{directory}: not a VisualChat model directory (no {SPEC_FILE})")
-        spec = json.loads((directory / SPEC_FILE).read_text())
-        encoder = load_encoder(spec["encoder_kind"], directory / "encoder")
+        spec = VisualChatSpec.read(directory)
+        encoder = load_encoder(spec.encoder_kind, directory / "encoder")
         projection = build_projection(
-            spec["projection"],
-            spec["encoder_dim"],
-            spec["decoder_dim"],
-            num_tokens_in=spec["encoder_tokens"],
-            num_queries=spec["num_queries"],
+            spec.projection,
+            spec.encoder_dim,
+            spec.decoder_dim,
+            num_tokens_in=spec.encoder_tokens,
+            num_queries=spec.num_queries,
         )
         projection.load_state_dict(load_file(str(directory / "projection.safetensors")))
         decoder = AutoModelForCausalLM.from_pretrained(directory / "decoder", dtype=torch.float32)

@@ -1,6 +1,9 @@
 """What a VisualChat model is made of, without torch: the config classes import this (the code
 location loads without torch; the model code in ``visualchat.py`` builds from it)."""
 
+import dataclasses
+import json
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,3 +38,47 @@ class VisualChatModelConfig(BaseModel):
     mmca: bool = Field(default=False, description="Multi-modal causal attention instead of plain causal.")
     max_images: int = Field(default=8, ge=1, description="Most images in one sample.")
     max_length: int = Field(default=4096, ge=16, description="Most tokens in one sample, image tokens included.")
+
+
+SPEC_FILE = "visualchat.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class VisualChatSpec:
+    """What a saved VisualChat model records in ``visualchat.json``: how to rebuild it and feed it."""
+
+    encoder_kind: str
+    projection: str
+    num_queries: int
+    encoder_dim: int  # the encoder's feature width
+    decoder_dim: int  # the decoder's embedding width
+    encoder_tokens: int  # feature tokens per image out of the encoder
+    num_image_tokens: int  # ``<image>`` positions per image in the decoder's input
+    image_token: str
+    image_token_id: int
+    mmca: bool
+    max_images: int
+    max_length: int
+    preprocessing: dict  # the encoder's own (its mean, std and input size)
+
+    @classmethod
+    def read(cls, directory: str | Path) -> "VisualChatSpec":
+        """The spec of the model saved in ``directory``; FileNotFoundError when it holds none, ValueError
+        naming the file and the fields when it is not a spec."""
+        path = Path(directory) / SPEC_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{directory}: not a VisualChat model directory (no {SPEC_FILE})")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not JSON ({err})") from None
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or set(data) != fields:
+            got = set(data) if isinstance(data, dict) else set()
+            raise ValueError(f"{path}: missing {sorted(fields - got)}, unknown {sorted(got - fields)}")
+        return cls(**data)
+
+    def write(self, directory: str | Path) -> Path:
+        path = Path(directory) / SPEC_FILE
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        return path

@@ -308,3 +308,18 @@ def test_gradient_checkpointing_recomputes_with_the_same_layout(clip_model):
     clip_model.decoder.gradient_checkpointing_disable()
     clip_model.eval()
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+
+
+def test_a_saved_spec_that_is_not_one_names_the_file_and_fields(clip_model, tmp_path):
+    from vlm_assets.models.visualchat_spec import SPEC_FILE, VisualChatSpec
+
+    clip_model.spec.write(tmp_path)
+    assert VisualChatSpec.read(tmp_path) == clip_model.spec
+    (tmp_path / SPEC_FILE).write_text('{"encoder_kind": "clip", "colour": "red"}')
+    with pytest.raises(ValueError, match=r"visualchat.json: missing \[.*'decoder_dim'.*\], unknown \['colour'\]"):
+        VisualChatSpec.read(tmp_path)
+    (tmp_path / SPEC_FILE).write_text("{")
+    with pytest.raises(ValueError, match="visualchat.json: not JSON"):
+        VisualChatSpec.read(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not a VisualChat model directory"):
+        VisualChatSpec.read(tmp_path / "nothing")
