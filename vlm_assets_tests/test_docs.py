@@ -33,13 +33,9 @@ def doc_files() -> list[Path]:
 
 @functools.cache
 def listed() -> frozenset[str]:
-    """Every path of the working tree git does not ignore (tracked or new), and every folder above one."""
+    """Every path git tracks (a file not committed does not count), and every folder above one."""
     out = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
+        ["git", "ls-files", "--cached"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.split("\n")
     paths = {p for p in out if p and (REPO / p).exists()}
     folders = {str(Path(p).parents[i]) for p in paths for i in range(len(Path(p).parents) - 1)}

@@ -256,19 +256,20 @@ class VisualChatModel(nn.Module):
         positions = (segments.cumsum(1) - 1).clamp(min=0)
         embeds = self.embed(ids, pixels)
         limit = decoder_positions(self.decoder.config)
-        steps = max_new_tokens if limit is None else min(max_new_tokens, limit - int(lengths.max()))
+        # each row's own budget: a position table ends at its last row (stream's limit, per row)
+        budgets = (limit - lengths).clamp(0, max_new_tokens) if limit else torch.full_like(lengths, max_new_tokens)
         cache, out_ids = DynamicCache(), [[] for _ in prompts]
         done = torch.zeros(len(prompts), dtype=torch.bool)
-        for _ in range(max(steps, 0)):
+        for step in range(int(budgets.max())):
             tokens = self._next_logits(embeds, positions, cache, segments, image).argmax(-1)
-            done |= tokens == self.tokenizer.eos_token_id
+            done |= (tokens == self.tokenizer.eos_token_id) | (budgets <= step)
             if bool(done.all()):
                 break
             for row in (~done).nonzero().flatten().tolist():
                 out_ids[row].append(int(tokens[row]))
             segments = torch.cat([segments, torch.ones(len(prompts), 1, dtype=torch.long)], dim=1)
             image = torch.cat([image, torch.zeros(len(prompts), 1, dtype=torch.bool)], dim=1)
-            positions = lengths[:, None]
+            positions = (lengths if limit is None else lengths.clamp(max=limit - 1))[:, None]  # done rows too
             lengths = lengths + 1
             embeds = self.decoder.get_input_embeddings()(tokens[:, None])
         return out_ids

@@ -192,6 +192,12 @@ def test_prompts_decoded_together_answer_as_each_alone(tmp_path, offline_data, a
     together = model.generate(prompts, torch.cat(images), max_new_tokens=6)
     assert together == alone
     assert len({len(p) for p in prompts}) == 3 and any(alone)  # padded rows, and something was generated
+    # At the decoder's last position each row stops where it would alone: the longest prompt gets 1 token.
+    limit = max(map(len, prompts)) + 1
+    setattr(model.decoder.config, "n_positions" if arch == "gpt2" else "max_position_embeddings", limit)
+    alone = [list(model.stream(ids, px if len(px) else None, max_new_tokens=6)) for ids, px in zip(prompts, images)]
+    assert model.generate(prompts, torch.cat(images), max_new_tokens=6) == alone
+    assert len(alone[1]) <= 1 < max(map(len, alone))  # the limit bit the longest prompt, not the others
 
 
 def test_efficientnet_lite0_gives_49_tokens_of_1280_from_pretrained_weights(offline_data):
