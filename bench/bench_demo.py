@@ -35,13 +35,14 @@ DEMO_SEED = 7  # the demo's own run, the profile's defaults: the adapter's seed 
 def execute(env: dict, config: Path | None, code: Path = REPO) -> tuple[float, str]:
     """Wall seconds and log of one `dagster job execute -j main_job` of the checkout ``code``."""
     command = [sys.executable, "-m", "dagster", "job", "execute", "-m", "vlm_assets.definitions", "-j", "main_job"]
+    env = {**env, "PYTHONPATH": str(code)}
+    # As the checkout's own scripts run it: huge pages for torch's tensors only where its bootstrap sets them.
+    env.pop("THP_MEM_ALLOC_ENABLE", None)
+    if "THP_MEM_ALLOC_ENABLE" in (code / "scripts" / "bootstrap.sh").read_text():
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     started = time.perf_counter()
     proc = subprocess.run(
-        command + (["-c", str(config)] if config else []),
-        cwd=code,
-        env={**env, "PYTHONPATH": str(code)},
-        capture_output=True,
-        text=True,
+        command + (["-c", str(config)] if config else []), cwd=code, env=env, capture_output=True, text=True
     )
     seconds = time.perf_counter() - started
     if proc.returncode:
@@ -191,6 +192,9 @@ def main() -> None:
     print(f"\nhome {home}\n\n{markdown}")
     if args.write:
         data = {"seeds": [{"seed": s, "eval_report": r, "visualchat": c} for s, r, c in rows], "times": times}
+        if args.baseline:  # the commit it named, which a later HEAD~5 no longer does
+            rev = subprocess.run(["git", "rev-parse", args.baseline], cwd=REPO, capture_output=True, text=True)
+            data["baseline"] = rev.stdout.strip()
         path = results_file.write(
             "demo",
             results_file.header(" ".join(["bench/bench_demo.py", *sys.argv[1:]])),

@@ -34,10 +34,6 @@ def main_job(code: Path, kernels: dict) -> dict:
     """A fresh home's first main_job run of ``code``: wall seconds and each step's, and the gates' figures."""
     home = Path(tempfile.mkdtemp(prefix="bench-speed-home-"))
     env = {**bench_demo.fresh_home(home), **kernels}
-    # As the commit's own scripts ran it: huge pages for torch's tensors only where its bootstrap sets them.
-    env.pop("THP_MEM_ALLOC_ENABLE", None)
-    if "THP_MEM_ALLOC_ENABLE" in (code / "scripts" / "bootstrap.sh").read_text():
-        env["THP_MEM_ALLOC_ENABLE"] = "1"
     seconds, log = bench_demo.execute(env, None, code)
     report = bench_demo.newest(home, "eval_report") / "eval.json"
     chat = bench_demo.newest(home, "visualchat_model") / "eval.json"
@@ -79,8 +75,8 @@ def main() -> None:
         print("this CPU has no AVX-512: its native kernels are the AVX2 ones; measuring `native` only")
         args.kernels = sorted(set(args.kernels) - {"avx2"} | {"native"})
     baseline = worktree(args.baseline)
-    rev = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=REPO, capture_output=True, text=True)
-    codes = {f"baseline {rev.stdout.strip()}": baseline, "this checkout": REPO}
+    rev = subprocess.run(["git", "rev-parse", args.baseline], cwd=REPO, capture_output=True, text=True)
+    codes = {f"baseline {rev.stdout.strip()[:10]}": baseline, "this checkout": REPO}
     results: dict = {}
     try:
         for kernel in args.kernels:
@@ -116,7 +112,8 @@ def main() -> None:
     print(markdown)
     if args.write:
         head = results_file.header(" ".join(["bench/bench_speed.py", *sys.argv[1:]]))
-        print(f"wrote {results_file.write('speed', head, markdown, {'baseline': args.baseline, 'results': results})}")
+        data = {"baseline": rev.stdout.strip(), "results": results}
+        print(f"wrote {results_file.write('speed', head, markdown, data)}")
 
 
 if __name__ == "__main__":

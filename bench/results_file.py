@@ -78,9 +78,16 @@ def header(command: str) -> dict:
     for name in LIBRARIES:
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[name] = metadata.version(name)
+    try:
+        import torch
+
+        kernels = torch.backends.cpu.get_cpu_capability()
+    except ImportError:
+        kernels = None
     return {
         "command": command,
         "commit": commit(),
+        "torch_cpu_capability": kernels,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu(),
         "kernels_env": {k: os.environ[k] for k in KERNELS["avx2"] if k in os.environ},
@@ -94,7 +101,7 @@ def write(what: str, head: dict, markdown: str, data: dict) -> Path:
     """``bench/results/<what>_<machine>_<yyyymmdd>.md`` (header table + ``markdown``) and its ``.json``;
     a second run on the same day and machine gets a ``-2`` suffix rather than overwriting."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = f"{what}_{machine_name()}_{datetime.date.today():%Y%m%d}"
+    stem = f"{what}_{machine_name()}_{datetime.datetime.now(datetime.UTC):%Y%m%d}"  # the header's date is UTC too
     n, name = 1, stem
     while (RESULTS / f"{name}.md").exists():
         n += 1
@@ -106,6 +113,7 @@ def write(what: str, head: dict, markdown: str, data: dict) -> Path:
         ("date", head["date"]),
         ("CPU", f"{c['model']}, {c['cores']} cores"),
         ("vector extensions", ", ".join(c["vector_extensions"]) or "none"),
+        ("kernels torch ran", head.get("torch_cpu_capability") or "unknown"),
         ("kernel override", ", ".join(f"{k}={v}" for k, v in head["kernels_env"].items()) or "none (native)"),
         ("GPU", head["gpu"] or "none"),
         ("Python", head["python"]),
