@@ -55,7 +55,7 @@ def manifests(root: Path, data: Path) -> Path:
 def tiny_gpt2(root: Path, data: Path) -> Path:
     """A GPT-2 of the demo gpt_checkpoint's shape (preset 'tiny') with the real GPT-2 BPE."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer
 
     out = root / "gpt2-tiny"
     if not out.exists():
@@ -63,7 +63,7 @@ def tiny_gpt2(root: Path, data: Path) -> Path:
         GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_embd=64, n_layer=2, n_head=2, n_positions=256)).save_pretrained(
             out
         )
-        GPT2TokenizerFast.from_pretrained(data / "gpt2-tokenizer").save_pretrained(out)
+        GPT2Tokenizer.from_pretrained(data / "gpt2-tokenizer").save_pretrained(out)
     return out
 
 
@@ -92,7 +92,7 @@ def smollm2(root: Path) -> Path:
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model = LlamaForCausalLM(loaded.config)
     model.load_state_dict(loaded.state_dict())
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
@@ -104,7 +104,7 @@ def seed_shapes(root: Path, data: Path) -> tuple[Path, Path]:
         CLIPImageProcessor,
         CLIPVisionConfig,
         CLIPVisionModel,
-        GPT2TokenizerFast,
+        GPT2Tokenizer,
         LlamaConfig,
         LlamaForCausalLM,
     )
@@ -124,7 +124,7 @@ def seed_shapes(root: Path, data: Path) -> tuple[Path, Path]:
             ).to(torch.bfloat16).save_pretrained(clip)
         CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}).save_pretrained(clip)
     if not (llama / "config.json").exists():
-        tokenizer = GPT2TokenizerFast.from_pretrained(data / "gpt2-tokenizer")
+        tokenizer = GPT2Tokenizer.from_pretrained(data / "gpt2-tokenizer")
         with torch.device("cuda"):
             LlamaForCausalLM(
                 LlamaConfig(

@@ -65,7 +65,7 @@ def train_clean_backbone(
             if step >= steps:
                 break
     out_dir.mkdir(parents=True, exist_ok=True)
-    backbone.model.save_pretrained(out_dir, safe_serialization=True)
+    backbone.model.save_pretrained(out_dir)
     backbone.tokenizer.save_pretrained(out_dir)
     for name in ("preprocessor_config.json",):
         (out_dir / name).write_bytes((backbone_dir / name).read_bytes())

@@ -38,10 +38,10 @@ _TOKENIZE_BATCH = 2048
 
 def load_gpt2_tokenizer(name_or_path: str):
     """GPT-2 BPE from a hub id (``gpt2``) or a local directory with ``vocab.json`` + ``merges.txt``."""
-    from transformers import GPT2TokenizerFast
+    from transformers import GPT2Tokenizer
 
     try:
-        tokenizer = GPT2TokenizerFast.from_pretrained(name_or_path)
+        tokenizer = GPT2Tokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError, TypeError) as err:
         raise ValueError(f"tokenizer '{name_or_path}' cannot be loaded: {err}") from err
     if tokenizer.eos_token_id is None or len(tokenizer) == 0:

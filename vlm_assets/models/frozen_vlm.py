@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from vlm_assets.data.tokens import IGNORE_INDEX
+from vlm_assets.models.hf_compat import set_activation_checkpointing
 from vlm_assets.models.qwen_patches import MERGE, PATCH, dense_to_packed
 from vlm_assets.paths import require_local
 
@@ -66,7 +67,7 @@ class QwenVLBackbone(FrozenVLM):
             dropouts = {k: v for k, v in self.model.config.text_config.to_dict().items() if "dropout" in k and v}
             if dropouts:
                 raise ValueError(f"gradient_checkpointing needs a backbone without dropout, this one has {dropouts}")
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            set_activation_checkpointing(self.model)
         self.model.train(gradient_checkpointing)
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id

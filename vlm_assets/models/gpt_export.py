@@ -71,7 +71,7 @@ def export_hf(state: dict[str, torch.Tensor], config: GPTConfig, out_dir: Path, 
         raise RuntimeError(f"HF export mapping incomplete: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir)
     if tokenizer_dir is not None:
         for path in tokenizer_dir.iterdir():
             shutil.copy2(path, out_dir / path.name)

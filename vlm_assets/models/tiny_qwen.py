@@ -21,7 +21,7 @@ SPECIAL_TOKENS = [
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2TokenizerFast
+    from transformers import Qwen2Tokenizer
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -30,13 +30,13 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     bpe.train_from_iterator(list(texts), trainer)
-    return Qwen2TokenizerFast(
+    return Qwen2Tokenizer(
         tokenizer_object=bpe,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token=None,
         bos_token=None,
-        additional_special_tokens=SPECIAL_TOKENS[1:],
+        extra_special_tokens=SPECIAL_TOKENS[1:],
     )
 
 
@@ -49,7 +49,7 @@ QWEN25_VL_3B_TEXT = dict(
     num_attention_heads=16,
     num_key_value_heads=2,
     vocab_size=151936,
-    rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+    rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1000000.0},
 )
 QWEN25_VL_3B_VISION = dict(
     depth=32,
@@ -91,8 +91,8 @@ def build_tiny_qwen(
                 num_key_value_heads=1,
                 max_position_embeddings=1024,
                 tie_word_embeddings=True,
-                rope_scaling={
-                    "type": "mrope",
+                rope_parameters={
+                    "rope_type": "default",
                     "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16],
                 },
                 eos_token_id=ids["<|im_end|>"],
@@ -127,7 +127,7 @@ def build_tiny_qwen(
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=448 * 448).save_pretrained(out_dir)
     return out_dir

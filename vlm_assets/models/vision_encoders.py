@@ -121,7 +121,7 @@ class CLIPEncoder(VisionEncoder):
         return out.hidden_states[-2][:, 1:]  # penultimate layer, CLS dropped
 
     def save(self, directory: Path) -> None:
-        self.model.save_pretrained(directory, safe_serialization=True)
+        self.model.save_pretrained(directory)
         self.processor.save_pretrained(directory)
 
     @classmethod
@@ -156,7 +156,7 @@ class QwenVisualEncoder(VisionEncoder):
 
         self._check(pixels)
         packed, grid = dense_to_packed(self.normalize(pixels))
-        tokens = self.visual(packed, grid_thw=grid)
+        tokens = self.visual(packed, grid_thw=grid).pooler_output  # the merger's output, patches merged 2x2
         return tokens.view(pixels.shape[0], self.num_tokens, -1)
 
     def save(self, directory: Path) -> None:

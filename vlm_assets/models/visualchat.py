@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from vlm_assets.data.tokens import IGNORE_INDEX, positions_from_segments
 from vlm_assets.models import visualchat_attention
+from vlm_assets.models.hf_compat import cache_argument
 from vlm_assets.models.projections import build_projection, tokens_out
 from vlm_assets.models.vision_encoders import VisionEncoder, build_encoder, load_encoder
 from vlm_assets.models.visualchat_attention import Layout, attention_layout
@@ -68,7 +69,7 @@ class VisualChatModel(nn.Module):
         _check_decoder(config.decoder)
         tokenizer = AutoTokenizer.from_pretrained(config.decoder)
         decoder = AutoModelForCausalLM.from_pretrained(config.decoder, dtype=torch.float32)
-        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+        tokenizer.add_special_tokens({"extra_special_tokens": [IMAGE_TOKEN]})
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         if len(tokenizer) > decoder.get_input_embeddings().num_embeddings:
@@ -117,7 +118,7 @@ class VisualChatModel(nn.Module):
         # Saved with standard attention so that the decoder directory is a plain HF checkpoint.
         self.decoder.config._attn_implementation = "sdpa"
         try:
-            self.decoder.save_pretrained(directory / "decoder", safe_serialization=True)
+            self.decoder.save_pretrained(directory / "decoder")
         finally:
             self.decoder.set_attn_implementation(visualchat_attention.ATTENTION)
         self.tokenizer.save_pretrained(directory / "decoder")
@@ -278,9 +279,8 @@ class VisualChatModel(nn.Module):
         """(B, vocab) logits at each row's last position for the new ``embeds``; ``cache`` is extended.
         ``segments`` and ``image`` cover every key position so far (0 = padding)."""
         with attention_layout(Layout(segments, image, self.mmca)):
-            out = self.decoder(
-                inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
-            )
+            kv = {cache_argument(self.decoder): cache}
+            out = self.decoder(inputs_embeds=embeds, position_ids=positions, use_cache=True, logits_to_keep=1, **kv)
         return out.logits[:, -1]
 
     @torch.no_grad()

@@ -38,6 +38,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from vlm_assets.data import visualchat_data as vd
 from vlm_assets.evaluate.visualchat_eval import evaluate_export
 from vlm_assets.launch.spec import InputRefused
+from vlm_assets.models.hf_compat import set_activation_checkpointing
 from vlm_assets.models.visualchat import VisualChatModel, decoder_positions
 from vlm_assets.models.visualchat_attention import attention_layout
 from vlm_assets.train.checkpoints import StepCheckpoint, StepSeed
@@ -58,6 +59,8 @@ warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode a
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")  # rows are in memory
 # torchdata 0.11 (its latest) calls torch's telemetry hook set_vital, which torch 2.13 deprecated.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+# peft 0.21 (its latest) reads transformers' old `is_gradient_checkpointing` name in get_peft_model.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 def build_model(config: VisualChatTrainConfig) -> VisualChatModel:
@@ -89,7 +92,7 @@ def build_model(config: VisualChatTrainConfig) -> VisualChatModel:
     if config.parallelism.cache_image_features:
         model.cache_image_features()
     if config.parallelism.gradient_checkpointing:
-        model.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_activation_checkpointing(model.decoder)
     return model
 
 

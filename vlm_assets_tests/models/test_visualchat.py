@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vlm_assets.data.tokens import positions_from_segments
+from vlm_assets.models.hf_compat import set_activation_checkpointing
 from vlm_assets.models.visualchat import VisualChatModel, VisualChatModelConfig
 from vlm_assets.models.visualchat_attention import Layout, visualchat_attention
 from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
@@ -306,12 +307,12 @@ def test_gradient_checkpointing_recomputes_with_the_same_layout(clip_model):
     clip_model.train()
     for checkpointing in (False, True):
         if checkpointing:
-            clip_model.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            set_activation_checkpointing(clip_model.decoder)
         clip_model.zero_grad()
         with attention_layout(clip_model.layout(ids, segments)):
             clip_model(ids, pixels, labels=labels, segments=segments).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in clip_model.decoder.parameters() if p.grad is not None]))
-    clip_model.decoder.gradient_checkpointing_disable()
+    set_activation_checkpointing(clip_model.decoder, on=False)
     clip_model.eval()
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
 

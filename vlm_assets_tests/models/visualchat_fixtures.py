@@ -8,10 +8,10 @@ import torch
 
 
 def tiny_decoder(out_dir: Path, offline: Path, arch: str = "llama", seed: int = 0) -> Path:
-    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    tokenizer = GPT2TokenizerFast.from_pretrained(offline / "gpt2-tokenizer")
+    tokenizer = GPT2Tokenizer.from_pretrained(offline / "gpt2-tokenizer")
     vocab = len(tokenizer)
     if arch == "llama":
         model = LlamaForCausalLM(
@@ -29,7 +29,7 @@ def tiny_decoder(out_dir: Path, offline: Path, arch: str = "llama", seed: int = 
         )
     else:
         model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=1024))
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
