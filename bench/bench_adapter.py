@@ -1,7 +1,7 @@
 """Occlusion-adapter training: samples/s and peak memory, the seed's settings against ours, one run.
 
     python bench/bench_adapter.py                       # CPU: tiny Qwen2.5-VL backbone, 56 px
-    python bench/bench_adapter.py --qwen3b --image-size 224    # GPU: Qwen2.5-VL-3B shapes, random weights
+    python bench/bench_adapter.py --qwen3b --image-size 224    # GPU: Qwen2.5-VL-3B shapes, random bf16 weights
 
 A step is one optimizer step over ``--global-batch`` samples (frozen backbone, adapter trained):
 seed = per-device batch 1 with 16 accumulation micro-steps, gradient checkpointing on; ours = the
@@ -20,6 +20,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_file  # noqa: E402
 
 SETTINGS = {"seed (batch 1 x 16 accumulation, grad ckpt)": (1, True), "ours (batch 16, no grad ckpt)": (16, False)}
 
@@ -80,43 +83,34 @@ def main() -> None:
 
     from vlm_assets.models.tiny_qwen import QWEN25_VL_3B_TEXT, QWEN25_VL_3B_VISION, build_tiny_qwen
 
+    cuda = torch.cuda.is_available()
+    where = torch.cuda.get_device_name() if cuda else "CPU"
+    shape = "Qwen2.5-VL-3B shapes, random weights" if args.qwen3b else "tiny Qwen2.5-VL"
+    print(f"Adapter training, {shape}, {args.image_size} px, global batch {args.global_batch}, {where}")
+    print("| setting | samples/s | vs seed | peak memory |\n|---|---:|---:|---:|", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         overrides = (
             {"text_overrides": QWEN25_VL_3B_TEXT, "vision_overrides": QWEN25_VL_3B_VISION} if args.qwen3b else {}
         )
         backbone = build_tiny_qwen(
-            Path(tmp) / "backbone", ["Answer with exactly one class label. Ankle boot"] * 20, **overrides
+            Path(tmp) / "backbone",
+            ["Answer with exactly one class label. Ankle boot"] * 20,
+            **overrides,
+            **({"device": "cuda", "dtype": "bfloat16"} if cuda else {}),
         )
-        rows = []
+        base = None
         for name, (micro, ckpt) in SETTINGS.items():
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--one",
-                    str(backbone),
-                    str(micro),
-                    "1" if ckpt else "0",
-                    "--image-size",
-                    str(args.image_size),
-                    "--global-batch",
-                    str(args.global_batch),
-                    "--steps",
-                    str(args.steps),
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            rows.append((name, json.loads(out.stdout.strip().splitlines()[-1])))
-    base = rows[0][1]["samples_per_s"]
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    shape = "Qwen2.5-VL-3B shapes, random weights" if args.qwen3b else "tiny Qwen2.5-VL"
-    print(f"\nAdapter training, {shape}, {args.image_size} px, global batch {args.global_batch}, {where}\n")
-    print("| setting | samples/s | speed-up | peak memory |\n|---|---:|---:|---:|")
-    for name, r in rows:
-        speed, mib = r["samples_per_s"], r["peak_bytes"] / 2**20
-        print(f"| {name} | {speed:.1f} | {speed / base:.2f}x | {mib:,.0f} MiB |")
+            command = [sys.executable, __file__, "--one", str(backbone), str(micro), "1" if ckpt else "0"]
+            command += ["--image-size", str(args.image_size), "--global-batch", str(args.global_batch)]
+            out = subprocess.run([*command, "--steps", str(args.steps)], capture_output=True, text=True, check=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            speed, mib = r["samples_per_s"], r["peak_bytes"] / 2**20
+            base = base or speed
+            results_file.emit(
+                {"part": "adapter", "setting": name, "device": where, "shape": shape, "image_size": args.image_size,
+                 "global_batch": args.global_batch, **r, "vs_seed": speed / base}
+            )  # fmt: skip
+            print(f"| {name} | {speed:.1f} | {speed / base:.2f}x | {mib:,.0f} MiB |", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,23 @@ KERNELS = {
 }
 
 
+# Dense bf16 peak of one GPU (TFLOP/s), by its name: the MFU denominator. None for anything else.
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0))
+
+
+def peak_bf16_tflops(device_name: str | None) -> float | None:
+    """The dense bf16 peak of the GPU named ``device_name`` (H100 SXM and H200: 989, H100 PCIe: 756)."""
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if device_name and key in device_name), None)
+
+
+def emit(row: dict) -> None:
+    """A measured row, appended at once to ``$BENCH_ROWS`` (JSON lines) when set: a bench killed at its
+    time limit (scripts/gpu-check.sh) leaves the rows it had."""
+    if path := os.environ.get("BENCH_ROWS"):
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def cpu() -> dict:
     """CPU model, its vector extensions (AVX2, AVX-512 subsets) and cores, from /proc/cpuinfo."""
     model, flags = platform.processor() or "unknown", set()

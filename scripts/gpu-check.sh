@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# The GPU kit, in parts that fit the lent GPU machine's calls (scripts/gpu_kit.py says how):
-#   scripts/gpu-check.sh --plan      # anywhere, no GPU: each device call's parts and budgets, the carry, its size
-#   scripts/gpu-check.sh --fetch     # here (PyPI reachable): py3.12 wheels + offline data into .gpu-carry/
-#   scripts/gpu-check.sh --call N    # on the GPU machine (carry .gpu-carry): the carry installed, call N's parts
-#   scripts/gpu-check.sh             # every part in order
-# Figures and logs go to $OUT (default var/gpu-check/), one text file per part. Exits 1 when a part
-# fails, overruns its budget, or a gpu test is skipped.
+# The GPU kit (scripts/gpu_kit.py says what each part measures and why it fits one device call):
+#   scripts/gpu-check.sh --plan        # anywhere: the parts, their limits, the carry and its size
+#   scripts/gpu-check.sh --fetch       # here (PyPI reachable): py3.12 wheels + offline data into .gpu-carry/
+#   scripts/gpu-check.sh               # on the GPU machine (carry .gpu-carry): every part, <= 7 minutes
+#   scripts/gpu-check.sh --only PART   # one part again (after the smoke test)
+#   scripts/gpu-check.sh --rehearse    # on a CPU: the same parts at tiny sizes (CI: scripts/gpu-like-env.sh)
+# Figures go to $OUT (default var/gpu-check/): results.json and results.md after each part, a log per
+# part. The interpreter: $GPU_CHECK_PYTHON, else the machine's python3 when it has torch (the GPU
+# machine's), else the project's .venv. Exits 1 when a part fails or overruns its limit.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-python="python3"
-if [ -x "$repo/.venv/bin/python" ]; then python="$repo/.venv/bin/python"; fi
+python="${GPU_CHECK_PYTHON:-python3}"
+if [ -z "${GPU_CHECK_PYTHON:-}" ] && ! python3 -c "import torch" 2>/dev/null && [ -x "$repo/.venv/bin/python" ]; then
+  python="$repo/.venv/bin/python"
+fi
 case " $* " in
-  *" --plan "*|*" --fetch "*) ;;
+  *" --plan "*|*" --fetch "*|*" --rehearse "*|*" --help "*|*" -h "*) ;;
   *) "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
-       || { echo "gpu-check: no CUDA device visible to torch (--plan needs none)" >&2; exit 2; }
+       || { echo "gpu-check: no CUDA device visible to $python's torch (--plan, --fetch and --rehearse need none)" >&2; exit 2; }
      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true ;;
 esac
 exec "$python" "$repo/scripts/gpu_kit.py" "$@"

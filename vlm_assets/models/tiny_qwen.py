@@ -71,9 +71,12 @@ def build_tiny_qwen(
     seed: int = 0,
     text_overrides: dict | None = None,
     vision_overrides: dict | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> Path:
     """Write a randomly initialised tiny ``Qwen2_5_VLForConditionalGeneration`` + tokenizer + image processor
-    (``text_overrides``/``vision_overrides`` replace config fields, e.g. the 3B shapes above)."""
+    (``text_overrides``/``vision_overrides`` replace config fields, e.g. the 3B shapes above), its weights
+    initialised on ``device`` and saved in ``dtype`` (a 3B shape: on a GPU, in bf16)."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
 
@@ -95,6 +98,7 @@ def build_tiny_qwen(
                     "rope_type": "default",
                     "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16],
                 },
+                bos_token_id=None,  # Qwen's default id is past this vocabulary
                 eos_token_id=ids["<|im_end|>"],
                 pad_token_id=ids["<|endoftext|>"],
             ),
@@ -119,11 +123,13 @@ def build_tiny_qwen(
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=None,
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
     )
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
+    with torch.device(device):
+        model = Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, dtype))
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     out_dir.mkdir(parents=True, exist_ok=True)

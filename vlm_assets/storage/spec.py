@@ -6,7 +6,6 @@ Credentials never go into the spec: S3 workers read the standard ``AWS_*`` envir
 from typing import Any
 
 from vlm_assets.storage.artifact_store import ArtifactStore, LocalArtifactStore
-from vlm_assets.storage.s3_store import S3ArtifactStore
 
 
 def store_from_spec(spec: dict[str, Any]) -> ArtifactStore:
@@ -15,6 +14,8 @@ def store_from_spec(spec: dict[str, Any]) -> ArtifactStore:
         return LocalArtifactStore(spec["root"])
     if kind == "s3":
         import boto3
+
+        from vlm_assets.storage.s3_store import S3ArtifactStore
 
         client = boto3.client("s3", endpoint_url=spec.get("endpoint_url"), region_name=spec.get("region_name"))
         return S3ArtifactStore(client, spec["bucket"], spec.get("prefix", ""), cache_dir=spec.get("cache_dir"))

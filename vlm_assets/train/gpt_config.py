@@ -75,6 +75,7 @@ class GPTParallelism(Parallelism):
     activation_checkpointing: bool = run_field(
         False, "Recompute each block's activations in backward (memory for time)."
     )
+    compile: bool = run_field(False, "torch.compile each block (a GPU's fused kernels; minutes of compiling on a CPU).")
 
 
 class PretrainConfig(RunConfig[GPTModel, GPTOptimizer, GPTData, GPTCheckpoint, GPTParallelism]):

@@ -50,6 +50,11 @@ class GPTPretrainModule(L.LightningModule):
         self.model = GPT(self.model_config)
         if self.config.parallelism.activation_checkpointing:
             apply_activation_checkpointing(self.model)
+        if self.config.parallelism.compile:
+            # per block, before sharding (torchtitan's order): FSDP2's hooks stay outside the graphs,
+            # and Module.compile keeps the parameter names the checkpoints and the export use
+            for block in self.model.blocks:
+                block.compile()
         if self.config.parallelism.strategy == "fsdp2":
             apply_fsdp2(self.model, self.device_mesh["data_parallel"], bf16=self.trainer.precision == "bf16-mixed")
 

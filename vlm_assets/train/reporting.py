@@ -122,7 +122,8 @@ class StepRunMLFlowLogger(MLFlowLogger):
 
 
 class TrainingHistory(L.Callback):
-    """Per-step train loss and learning rate, per-validation val loss, kept for ``history.json`` and
+    """Per-step train loss, learning rate and end time (epoch seconds: steady-state speed from
+    timestamps), per-validation val loss, kept for ``history.json`` and
     the loss plot; the step's metrics are logged through the trainer's loggers, which report them
     every ``log_every_n_steps``. Its state is saved in every checkpoint, so a resumed run's history
     covers the whole run. ``tokens_per_step`` None: the steps' sizes vary, no tokens/s is logged."""
@@ -149,7 +150,7 @@ class TrainingHistory(L.Callback):
         loss = sum(pl_module.step_losses) / len(pl_module.step_losses)
         pl_module.step_losses.clear()
         lr = trainer.optimizers[0].param_groups[0]["lr"]
-        self.train.append({"step": step, "loss": loss, "lr": lr})
+        self.train.append({"step": step, "loss": loss, "lr": lr, "time": time.time()})
         # ThroughputMonitor would report tokens/s only once its 100-batch window fills; "step" sets
         # the loggers' x-axis to the optimizer step (Lightning's default is one less here).
         metrics = {"train/loss": loss, "train/perplexity": math.exp(min(loss, MAX_LOG_PPL_LOSS)), "train/lr": lr}
