@@ -220,7 +220,7 @@ def in_memory_clip_encoder(vision):
 
 
 def build_visualchat(shapes: dict, config, device, dtype):
-    """``VisualChatModel.build``'s steps on parts with random weights made here, directly on ``device`` in
+    """``VisualChatModel.from_parts`` of parts with random weights made here, directly on ``device`` in
     ``dtype`` (the GPT-2 BPE, the only tokenizer offline, with ``<image>`` added), then
     ``visualchat_train.build_model``'s LoRA (``all-linear`` on the decoder) and its ``freeze_modules``
     (the trainer's default: encoder and decoder base weights frozen, projection and LoRA trained).
@@ -229,50 +229,23 @@ def build_visualchat(shapes: dict, config, device, dtype):
     from peft import LoraConfig, get_peft_model
     from transformers import CLIPVisionConfig, CLIPVisionModel, GPT2Tokenizer, LlamaConfig, LlamaForCausalLM
 
-    from vlm_assets.models.projections import build_projection, tokens_out
-    from vlm_assets.models.visualchat import IMAGE_TOKEN, VisualChatModel
-    from vlm_assets.models.visualchat_spec import VisualChatSpec
+    from vlm_assets.models.visualchat import VisualChatModel
     from vlm_assets.paths import offline_data_dir
 
     spec_config = config.model
     tokenizer = GPT2Tokenizer.from_pretrained(offline_data_dir() / "gpt2-tokenizer")
-    tokenizer.add_special_tokens({"extra_special_tokens": [IMAGE_TOKEN]})
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     eos = tokenizer.eos_token_id
     torch.manual_seed(config.seed)
     with torch.device(device), default_dtype(dtype):
         vision = CLIPVisionModel(CLIPVisionConfig(**shapes["clip"]))
         encoder = in_memory_clip_encoder(vision)
         decoder = LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, **shapes["llama"]
+            LlamaConfig(  # one row more than the BPE's: <image>, which from_parts adds
+                vocab_size=len(tokenizer) + 1, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, **shapes["llama"]
             )
         )
-        width = decoder.get_input_embeddings().embedding_dim
-        projection = build_projection(
-            spec_config.projection,
-            encoder.hidden_size,
-            width,
-            num_tokens_in=encoder.num_tokens,
-            num_queries=spec_config.num_queries,
-        )
-    spec = VisualChatSpec(
-        encoder_kind=encoder.kind,
-        projection=spec_config.projection,
-        num_queries=spec_config.num_queries,
-        encoder_dim=encoder.hidden_size,
-        decoder_dim=width,
-        encoder_tokens=encoder.num_tokens,
-        num_image_tokens=tokens_out(spec_config.projection, encoder.num_tokens, spec_config.num_queries),
-        image_token=IMAGE_TOKEN,
-        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        mmca=spec_config.mmca,
-        max_images=spec_config.max_images,
-        max_length=spec_config.max_length,
-        preprocessing=encoder.preprocessing(),
-    )
-    model = VisualChatModel._assemble(encoder, projection, decoder, tokenizer, spec)
+    model = VisualChatModel.from_parts(spec_config, encoder, decoder, tokenizer)
+    spec, projection = model.spec, model.projection
     c, v = decoder.config, vision.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     first = next(m for m in projection.modules() if isinstance(m, torch.nn.Linear))

@@ -69,25 +69,32 @@ class VisualChatModel(nn.Module):
         _check_decoder(config.decoder)
         tokenizer = AutoTokenizer.from_pretrained(config.decoder)
         decoder = AutoModelForCausalLM.from_pretrained(config.decoder, dtype=torch.float32)
+        return cls.from_parts(config, encoder, decoder, tokenizer)
+
+    @classmethod
+    def from_parts(cls, config: VisualChatModelConfig, encoder, decoder, tokenizer) -> "VisualChatModel":
+        """A new model of an encoder, a decoder and its tokenizer already in memory (``build``'s, or parts
+        a benchmark initialised on a GPU): ``<image>`` added, the projection at its initialisation, on the
+        decoder's device and dtype."""
         tokenizer.add_special_tokens({"extra_special_tokens": [IMAGE_TOKEN]})
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         if len(tokenizer) > decoder.get_input_embeddings().num_embeddings:
             decoder.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-        width = decoder.get_input_embeddings().embedding_dim
+        embeddings = decoder.get_input_embeddings().weight
         projection = build_projection(
             config.projection,
             encoder.hidden_size,
-            width,
+            embeddings.shape[1],
             num_tokens_in=encoder.num_tokens,
             num_queries=config.num_queries,
-        )
+        ).to(device=embeddings.device, dtype=embeddings.dtype)
         spec = VisualChatSpec(
             encoder_kind=encoder.kind,
             projection=config.projection,
             num_queries=config.num_queries,
             encoder_dim=encoder.hidden_size,
-            decoder_dim=width,
+            decoder_dim=embeddings.shape[1],
             encoder_tokens=encoder.num_tokens,
             num_image_tokens=tokens_out(config.projection, encoder.num_tokens, config.num_queries),
             image_token=IMAGE_TOKEN,
