@@ -102,7 +102,8 @@ def main() -> None:
         for name, (micro, ckpt) in SETTINGS.items():
             command = [sys.executable, __file__, "--one", str(backbone), str(micro), "1" if ckpt else "0"]
             command += ["--image-size", str(args.image_size), "--global-batch", str(args.global_batch)]
-            out = subprocess.run([*command, "--steps", str(args.steps)], capture_output=True, text=True, check=True)
+            # stderr to this process's: a failing setting's traceback reaches the log
+            out = subprocess.run([*command, "--steps", str(args.steps)], stdout=subprocess.PIPE, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             speed, mib = r["samples_per_s"], r["peak_bytes"] / 2**20
             base = base or speed

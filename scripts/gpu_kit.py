@@ -80,16 +80,19 @@ PREPARE_S = 40  # the carry installed into a target folder (a machine given back
 # A rehearsal runs tiny sizes on a 2-core CPU, which takes longer than the GPU's real sizes in places
 # (two gloo processes, a model export): its limits catch a hang, not a slow GPU.
 REHEARSAL_SLACK = 2
-GPU_TESTS = ("vlm_assets_tests/gpu/test_gpu_visualchat.py", "vlm_assets_tests/gpu/test_gpu_compile.py")
+GPU_TESTS = (  # ZeRO-2 only: ZeRO-3's twin would not fit the part's limit
+    "vlm_assets_tests/gpu/test_gpu_visualchat.py::test_visualchat_deepspeed_bf16[2]",
+    "vlm_assets_tests/gpu/test_gpu_compile.py",
+)
 PARTS = (
     Part(
         "smoke", 30, ("scripts/gpu_kit.py", "--smoke"), ("scripts/gpu_kit.py", "--smoke"),
         "imports through the project's shims, a tiny model of each kind built and saved, one bf16 matmul",
     ),
     Part(
-        "gpt", 110,
+        "gpt", 130,
         ("bench/bench_gpt.py", "--preset", "124M", "--batch", "16", "--seq", "1024", "--steps", "10",
-         "--compile", "--trainer", "--trainer-steps", "30"),
+         "--compile", "--trainer", "--trainer-steps", "20"),
         ("bench/bench_gpt.py", "--preset", "tiny", "--n-layer", "1", "--batch", "2", "--seq", "64", "--steps", "3",
          "--warmup", "1", "--trainer", "--trainer-steps", "10"),
         "GPT-2 124M, bf16, seq 1024: seed model, ours eager and compiled, ours through the trainer (compiled)",
@@ -105,7 +108,7 @@ PARTS = (
         "the occlusion adapter on a Qwen2.5-VL-3B shape (bf16 on the GPU): samples/s against the seed's settings",
     ),
     Part(
-        "tests", 90, ("@pytest", "-m", "gpu", "-k", "not zero3", *GPU_TESTS),
+        "tests", 70, ("@pytest", "-m", "gpu", *GPU_TESTS),
         ("@pytest", "-m", "not gpu", "vlm_assets_tests/train/test_visualchat_train.py::"
          "test_zero2_two_processes_train_merge_export_and_answer", "vlm_assets_tests/models/test_gpt.py"),
         "the gpu-marked engine tests (VisualChat ZeRO-2 bf16 on NCCL, torch.compile against eager); "
@@ -271,7 +274,7 @@ def prepare(root: Path, rehearse: bool) -> Path | None:
     os.environ["TORCH_EXTENSIONS_DIR"] = str(target / "torch_extensions")
     if not (target / ".installed").is_file():
         shutil.rmtree(target, ignore_errors=True)
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
         pip += ["--disable-pip-version-check", "--target", str(target)]
         subprocess.run([*pip, *sorted(str(p) for p in wheels.glob("*.whl"))], check=True)
         (target / ".installed").touch()
@@ -389,7 +392,10 @@ def run_part(part: Part, out: Path, rehearse: bool, site: Path | None, carry: Pa
             code = proc.wait()
         finally:
             timer.cancel()
-    rows = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.is_file() else []
+    rows = []
+    for line in rows_file.read_text().splitlines() if rows_file.is_file() else []:
+        with contextlib.suppress(json.JSONDecodeError):  # a part killed mid-line loses that line only
+            rows.append(json.loads(line))
     status = f"over its {limit} s limit" if overran.is_set() else ("ok" if code == 0 else f"exit {code}")
     return {"part": part.name, "status": status, "seconds": round(time.monotonic() - started, 1), "rows": rows}
 
@@ -405,7 +411,7 @@ def record(out: Path, header: dict, result: dict) -> None:
     for part in results["parts"]:
         lines += [f"## {part['part']}: {part['status']} ({part['seconds']} s)", ""]
         if part["rows"]:
-            keys = [k for k in part["rows"][0] if k not in ("part", "device")]
+            keys = list(dict.fromkeys(k for row in part["rows"] for k in row if k not in ("part", "device")))
             lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
             lines += ["| " + " | ".join(_cell(row.get(k)) for k in keys) + " |" for row in part["rows"]]
             lines.append("")
@@ -459,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(f"gpu-check: carry: {problem}", flush=True)
     site = prepare(args.carry, args.rehearse) if not problems else None
+    if site:
+        sys.path.insert(0, str(site))  # the carried packages' versions in the header
     import torch  # the machine's own
 
     device = "CPU" if args.rehearse or not torch.cuda.is_available() else torch.cuda.get_device_name()
@@ -482,8 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         record(out, header, result)
         if result["status"] != "ok":
             failed.append(f"{part.name} ({result['status']})")
-            if part.name == "smoke":
-                break  # a broken environment: the parts would fail the same way, slower
+            if part.name == "smoke" and result["status"] == "exit 3":
+                break  # packages missing: the parts would fail the same way, slower
     print(f"gpu-check: results in {out / 'results.md'}", flush=True)
     if failed:
         print(f"gpu-check: failed: {', '.join(failed)}", file=sys.stderr)

@@ -51,8 +51,8 @@ class GPTPretrainModule(L.LightningModule):
         if self.config.parallelism.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         if self.config.parallelism.compile:
-            # per block, before sharding (torchtitan's order): FSDP2's hooks stay outside the graphs,
-            # and Module.compile keeps the parameter names the checkpoints and the export use
+            # per block, before sharding (torchtitan's order): one graph serves every block, and
+            # Module.compile keeps the parameter names the checkpoints and the export use
             for block in self.model.blocks:
                 block.compile()
         if self.config.parallelism.strategy == "fsdp2":
