@@ -130,7 +130,8 @@ def check_trained_and_exported(
     assert [h["step"] for h in history] == list(range(1, 7))
     # tokens/s can be no more than full rows over the time the steps took (their end times: the last five)
     config = json.loads((out.parent / "run.json").read_text())["config"]
-    row_cap = config["optimizer"]["global_batch_size"] * config["model"]["max_length"]
+    row = config["data"]["pack_tokens"] if config["data"]["packing"] else config["model"]["max_length"]
+    row_cap = config["optimizer"]["global_batch_size"] * row
     assert 0 < result["tokens_per_s"] <= 5 * row_cap / (history[-1]["time"] - history[0]["time"])
     model = VisualChatModel.from_pretrained(out / "model")
     assert not any("lora" in name for name, _ in model.named_parameters())
