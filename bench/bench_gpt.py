@@ -107,7 +107,7 @@ def bare_loop(model, batch, steps, warmup, bf16) -> dict:
     }
 
 
-def through_trainer(config, args, work: Path) -> dict:
+def through_trainer(args, work: Path) -> dict:
     """The same shape trained by ``vlm_assets.train.gpt_pretrain`` through the local launcher."""
     from vlm_assets.data.token_shards import write_token_shards
     from vlm_assets.launch import run_local
@@ -219,7 +219,7 @@ def main() -> None:
     if args.trainer:
         bare = rates["ours + torch.compile" if args.compile else "ours: SDPA + padded head"]
         with tempfile.TemporaryDirectory() as tmp:
-            figures = through_trainer(config, args, Path(tmp))
+            figures = through_trainer(args, Path(tmp))
         figures["overhead_vs_bare"] = 1 - figures["tokens_per_s"] / bare
         row(f"ours through the trainer{' (compiled)' if args.compile else ''}", figures)
         print(
