@@ -31,7 +31,8 @@ def per_document_blocks(tokenizer, docs):
     for doc in docs:
         buffer.extend(tokenizer(doc)["input_ids"] + [tokenizer.eos_token_id])
         while len(buffer) >= MAX_LENGTH:
-            yield np.asarray(buffer[:MAX_LENGTH], np.int32)
+            block = np.asarray(buffer[:MAX_LENGTH], np.int32)
+            yield block, block  # (input_ids, labels), as pack_blocks yields them
             buffer = buffer[MAX_LENGTH:]
 
 
@@ -41,7 +42,8 @@ def hf_batched_blocks(tokenizer, docs, batch=512):
         for ids in tokenizer(docs[i : i + batch], add_special_tokens=False)["input_ids"]:
             buffer.extend(ids + [tokenizer.eos_token_id])
         while len(buffer) >= MAX_LENGTH:
-            yield np.asarray(buffer[:MAX_LENGTH], np.int32)
+            block = np.asarray(buffer[:MAX_LENGTH], np.int32)
+            yield block, block  # (input_ids, labels), as pack_blocks yields them
             buffer = buffer[MAX_LENGTH:]
 
 

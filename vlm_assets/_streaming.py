@@ -14,12 +14,13 @@ if "streaming.vision" not in sys.modules:
     sys.modules["streaming.vision"] = types.ModuleType("streaming.vision")
 
 import streaming  # noqa: E402
-from streaming import LocalDataset, MDSWriter, StreamingDataset  # noqa: E402
+from streaming import LocalDataset, MDSWriter, Stream, StreamingDataset  # noqa: E402
 from streaming.base.util import clean_stale_shared_memory  # noqa: E402
 
 __all__ = [
     "LocalDataset",
     "MDSWriter",
+    "Stream",
     "StreamingDataset",
     "clean_stale_shared_memory",
     "streaming",

@@ -7,17 +7,19 @@ Artifact layout::
     train/ index.json shard.*.mds
     val/   index.json shard.*.mds
 
-Each sample has ``input_ids`` and ``labels`` (``ndarray:int32``, ``max_length`` tokens, no padding;
-labels equal the inputs, the model shifts them). Documents are tokenized in batches with tiktoken
+Each sample has ``input_ids`` and ``labels`` (``ndarray:int32``, ``max_length`` tokens; labels equal
+the inputs, the model shifts them). Documents are tokenized in batches with tiktoken
 running the tokenizer's own GPT-2 ranks (ids identical to the HF tokenizer; ``_tiktoken_encoding``),
-one forked process per core (``encoded_batches``), and packed through one running buffer, so nothing
-is padded and no document is lost between blocks; the tail shorter than a block is dropped.
+one forked process per core (``encoded_batches``), and packed through one running buffer, so no
+document is lost between blocks; only the last block is padded (EOS, its padded labels ``-100``, which
+the loss ignores), so every document of the corpus is in the shards, whole.
 """
 
 from __future__ import annotations
 
 import collections
 import glob
+import hashlib
 import itertools
 import json
 import multiprocessing
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from vlm_assets._streaming import MDSWriter
+from vlm_assets.data.tokens import IGNORE_INDEX
 from vlm_assets.progress import report_progress
 
 COLUMNS = {"input_ids": "ndarray:int32", "labels": "ndarray:int32"}
@@ -185,17 +188,29 @@ def hf_documents(dataset: str, config: str | None, split: str, column: str) -> I
             yield row[column]
 
 
+def is_val(document: str, val_fraction: float, seed: int) -> bool:
+    """Whether a document is held out for validation: a stable hash of the seed and its text below
+    ``val_fraction``, so the split of a document is the same wherever and with whatever it is read."""
+    digest = hashlib.blake2b(document.encode("utf-8"), digest_size=8, key=str(seed).encode()).digest()
+    return int.from_bytes(digest, "big") < val_fraction * (1 << 64)
+
+
 def split_documents(documents: Iterable[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """Assign each document to val with probability ``val_fraction`` (seeded), else to train."""
+    """The documents as (train, val), each document's split decided by ``is_val``."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    docs = list(documents)
-    to_val = np.random.default_rng(seed).random(len(docs)) < val_fraction
-    return [d for d, v in zip(docs, to_val) if not v], [d for d, v in zip(docs, to_val) if v]
+    train: list[str] = []
+    val: list[str] = []
+    for doc in documents:
+        (val if is_val(doc, val_fraction, seed) else train).append(doc)
+    return train, val
 
 
-def pack_blocks(tokenizer, documents: Iterable[str], max_length: int, max_samples: int | None) -> Iterator[np.ndarray]:
-    """Yield int32 blocks of ``max_length`` tokens from ``doc EOS doc EOS ...``."""
+def pack_blocks(
+    tokenizer, documents: Iterable[str], max_length: int, max_samples: int | None
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield ``(input_ids, labels)`` int32 blocks of ``max_length`` tokens from ``doc EOS doc EOS ...``;
+    the last, partial block is padded with EOS whose labels are ``IGNORE_INDEX``."""
     buffer = np.empty(0, np.int32)
     emitted = 0
     for flat in encoded_batches(tokenizer, documents):
@@ -205,23 +220,32 @@ def pack_blocks(tokenizer, documents: Iterable[str], max_length: int, max_sample
             if max_samples is not None and emitted >= max_samples:
                 return
             emitted += 1
-            yield buffer[i * max_length : (i + 1) * max_length]
+            block = buffer[i * max_length : (i + 1) * max_length]
+            yield block, block
         buffer = buffer[num_blocks * max_length :]
+    if len(buffer) and (max_samples is None or emitted < max_samples):
+        padding = max_length - len(buffer)
+        ids = np.concatenate([buffer, np.full(padding, tokenizer.eos_token_id, np.int32)])
+        yield ids, np.concatenate([buffer, np.full(padding, IGNORE_INDEX, np.int32)])
 
 
 def write_split(
     out_dir: Path,
-    blocks: Iterable[np.ndarray],
+    blocks: Iterable[tuple[np.ndarray, np.ndarray]],
     size_limit: int | str,
     desc: str,
     log: Callable[[str], None] | None = None,
+    allow_empty: bool = False,
 ) -> dict[str, int]:
-    num_samples = 0
+    """Write ``(input_ids, labels)`` blocks as one MDS split; returns its sample and shard counts.
+    Fewer tokens than one block is an error unless ``allow_empty`` (a chunk of a larger corpus)."""
+    num_samples = full = 0
     with MDSWriter(out=str(out_dir), columns=COLUMNS, size_limit=size_limit) as writer:
-        for block in report_progress(blocks, desc, log, unit="blocks"):
-            writer.write({"input_ids": block, "labels": block})
+        for ids, labels in report_progress(blocks, desc, log, unit="blocks"):
+            writer.write({"input_ids": ids, "labels": labels})
             num_samples += 1
-    if num_samples == 0:
+            full += int(labels[-1] != IGNORE_INDEX)
+    if full == 0 and not allow_empty:
         raise ValueError(f"{desc}: the corpus is too short for one block of the requested length")
     num_shards = len(json.loads((out_dir / "index.json").read_text())["shards"])
     return {"num_samples": num_samples, "num_shards": num_shards}
@@ -239,8 +263,11 @@ def write_token_shards(
     max_val_samples: int | None,
     size_limit: int | str,
     log: Callable[[str], None] | None = None,
+    chunk: bool = False,
 ) -> dict[str, Any]:
-    """Tokenize, pack and write both splits into ``out_dir``; returns the ``tokens.json`` summary."""
+    """Tokenize, pack and write both splits into ``out_dir``; returns the ``tokens.json`` summary.
+    ``chunk``: one chunk of a larger corpus (``vlm_assets.data.token_chunks``): a split without
+    documents is written empty, not refused, and the tokenizer is left to the merge."""
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2, got {max_length}")
     summary: dict[str, Any] = {
@@ -258,8 +285,10 @@ def write_token_shards(
             size_limit,
             desc=f"{split} shards",
             log=log,
+            allow_empty=chunk,
         )
         summary["splits"][split] = {**stats, "num_tokens": stats["num_samples"] * max_length}
-    tokenizer.save_pretrained(out_dir / "tokenizer")
+    if not chunk:
+        tokenizer.save_pretrained(out_dir / "tokenizer")
     (out_dir / "tokens.json").write_text(json.dumps(summary, indent=1))
     return summary

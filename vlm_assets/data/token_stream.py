@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from vlm_assets._streaming import StreamingDataset, streaming_dataset
+from vlm_assets._streaming import Stream, StreamingDataset, streaming_dataset
 
 
 def collate_tokens(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -23,25 +23,57 @@ def collate_tokens(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tens
 def token_dataset(
     uri: str, split: str, *, cache_dir: str | Path | None = None, batch_size: int, shuffle: bool = False, seed: int = 0
 ) -> StreamingDataset:
-    """A ``StreamingDataset`` over ``<uri>/<split>``; ``uri`` is a local directory or ``s3://...``.
+    """A ``StreamingDataset`` over a split of a ``token_shards`` artifact; ``uri`` is a local directory or ``s3://...``.
 
-    With a ``cache_dir`` the shards are copied or downloaded into ``cache_dir/<split>``: give every
-    concurrent run its own (streaming keys its shared memory on the local path, so two runs reading one
-    path at once collide). Without one, local shards are read in place (single reader).
-    Streaming partitions samples across ranks itself (``WORLD_SIZE``/``RANK`` from torchrun), so a
-    distributed sampler must not be added on top.
+    A merged artifact (``tokens.json`` lists ``streams``: the splits of its chunks) is read as one
+    dataset of those streams. With a ``cache_dir`` the shards are copied or downloaded into
+    ``cache_dir/<split>``: give every concurrent run its own (streaming keys its shared memory on the
+    local path, so two runs reading one path at once collide). Without one, local shards are read in
+    place (single reader). Streaming partitions samples across ranks itself (``WORLD_SIZE``/``RANK``
+    from torchrun), so a distributed sampler must not be added on top.
     """
     if uri.startswith("s3://") and cache_dir is None:
         raise ValueError("token_dataset: a cache_dir is required to stream from s3://")
-    if not uri.startswith("s3://") and not (Path(uri) / split / "index.json").is_file():
-        raise FileNotFoundError(f"{Path(uri) / split}: no MDS index.json (not a token shard split)")
+    streams = _streams(uri, split, cache_dir)
+    for remote in streams:
+        if not remote.startswith("s3://") and not (Path(remote) / "index.json").is_file():
+            raise FileNotFoundError(f"{remote}: no MDS index.json (not a token shard split)")
     if cache_dir is None:  # read the local shards in place
-        remote, local = None, str(Path(uri) / split)
-    else:  # copy (local) or download (s3) into this run's own directory
-        remote, local = f"{uri.rstrip('/')}/{split}", str(Path(cache_dir) / split)
+        places = [(None, remote) for remote in streams]
+    elif len(streams) == 1:  # copy (local) or download (s3) into this run's own directory
+        places = [(streams[0], str(Path(cache_dir) / split))]
+    else:
+        places = [(remote, str(Path(cache_dir) / split / f"{i:06d}")) for i, remote in enumerate(streams)]
+    if len(places) == 1:
+        ((remote, local),) = places
+        return streaming_dataset(
+            remote=remote, local=local, split=None, shuffle=shuffle, shuffle_seed=seed, batch_size=batch_size
+        )
     return streaming_dataset(
-        remote=remote, local=local, split=None, shuffle=shuffle, shuffle_seed=seed, batch_size=batch_size
+        streams=[Stream(remote=remote, local=local) for remote, local in places],
+        shuffle=shuffle,
+        shuffle_seed=seed,
+        batch_size=batch_size,
     )
+
+
+def _streams(uri: str, split: str, cache_dir: str | Path | None) -> list[str]:
+    """The split's directories: the chunks' a merged artifact lists, else ``<uri>/<split>``."""
+    summary = token_summary(uri, cache_dir)
+    listed = summary.get("streams", {}).get(split) if summary is not None else None
+    return list(listed) if listed else [f"{uri.rstrip('/')}/{split}"]
+
+
+def token_summary(uri: str, cache_dir: str | Path | None) -> dict | None:
+    """The artifact's ``tokens.json`` (downloaded into ``cache_dir`` from S3), or None if it has none."""
+    if not uri.startswith("s3://"):
+        path = Path(uri) / "tokens.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+    assert cache_dir is not None
+    path = Path(cache_dir) / "tokens.json"
+    if not path.is_file():
+        _download_summary(uri, path)
+    return json.loads(path.read_text())
 
 
 @dataclasses.dataclass
@@ -56,10 +88,9 @@ def build_token_dataloaders(
     uri: str, local_dir: str | Path, *, batch_size: int, num_workers: int = 0, seed: int = 0
 ) -> TokenLoaders:
     """Train (shuffled) and val loaders over a ``token_shards`` artifact; ``local_dir`` is per run."""
-    summary_path = Path(local_dir) / "tokens.json" if uri.startswith("s3://") else Path(uri) / "tokens.json"
-    if uri.startswith("s3://") and not summary_path.is_file():
-        _download_summary(uri, summary_path)
-    summary = json.loads(summary_path.read_text())
+    summary = token_summary(uri, local_dir)
+    if summary is None:
+        raise FileNotFoundError(f"{uri}: no tokens.json (not a token_shards artifact)")
     loaders = {
         split: DataLoader(
             token_dataset(

@@ -23,10 +23,17 @@ in_process_unless_configured = dg.ExecutorDefinition(
 
 @dg.definitions
 def jobs() -> dg.Definitions:
+    # token_chunks is partitioned (one run per partition or batch of them, by backfill): a job's assets
+    # share one partitions definition, so it has its own job and the graph's job leaves it out.
     main_job = dg.define_asset_job(
         "main_job",
-        selection=dg.AssetSelection.all(),
-        description="Materializes the whole graph; unchanged assets are cache hits.",
+        selection=dg.AssetSelection.all() - dg.AssetSelection.assets("token_chunks"),
+        description="Materializes the whole graph but token_chunks (backfilled); unchanged assets are cache hits.",
+    )
+    token_chunks_job = dg.define_asset_job(
+        "token_chunks_job",
+        selection=dg.AssetSelection.assets("token_chunks"),
+        description="token_chunks, one partition a run: `dagster job backfill -j token_chunks_job --all`.",
     )
     # A trainer and the data it reads, e.g. `dagster job execute -j gpt_job`; a model it builds on
     # (`backbone_asset: visualchat_model`, `decoder_asset: gpt_checkpoint`) is read from its latest materialization.
@@ -42,7 +49,7 @@ def jobs() -> dg.Definitions:
             ("visualchat", "visualchat_model", "occlusion_manifests"),
         )
     ]
-    jobs = {job.name: job for job in (main_job, *trainer_jobs)}
+    jobs = {job.name: job for job in (main_job, token_chunks_job, *trainer_jobs)}
     main_schedule = dg.ScheduleDefinition(
         name="main_schedule",
         job=jobs[schedule_job(list(jobs))],

@@ -14,6 +14,7 @@ from vlm_assets.data.token_shards import (
     write_token_shards,
 )
 from vlm_assets.data.token_stream import build_token_dataloaders
+from vlm_assets.data.tokens import IGNORE_INDEX
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +46,14 @@ def test_blocks_are_documents_joined_with_eos(tokenizer):
     expected = []
     for d in docs:
         expected += tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]
+    assert len(expected) % 4 != 0  # so the last block is padded
     blocks = list(pack_blocks(tokenizer, docs, max_length=4, max_samples=None))
-    assert all(b.dtype == np.int32 and len(b) == 4 for b in blocks)
-    assert np.concatenate(blocks).tolist() == expected[: len(blocks) * 4]
-    assert len(blocks) == len(expected) // 4
+    ids, labels = np.concatenate([i for i, _ in blocks]), np.concatenate([lab for _, lab in blocks])
+    assert all(i.dtype == lab.dtype == np.int32 and len(i) == len(lab) == 4 for i, lab in blocks)
+    assert len(blocks) == -(-len(expected) // 4)
+    # every token of every document, in order; the padding is EOS in the inputs and ignored in the labels
+    assert ids[: len(expected)].tolist() == labels[: len(expected)].tolist() == expected
+    assert set(ids[len(expected) :]) == {tokenizer.eos_token_id} and set(labels[len(expected) :]) == {IGNORE_INDEX}
     assert len(list(pack_blocks(tokenizer, docs, max_length=4, max_samples=2))) == 2
 
 
@@ -68,15 +73,17 @@ def test_streaming_reads_back_exactly_the_tokens_written(tokenizer, shakespeare,
     )
     assert summary["splits"]["train"]["num_shards"] > 1  # the size limit really splits shards
     assert summary["splits"]["val"]["num_samples"] == 50
-    expected = np.stack(list(pack_blocks(tokenizer, train, 64, None)))
+    expected = np.stack([ids for ids, _ in pack_blocks(tokenizer, train, 64, None)])
     loaders = build_token_dataloaders(str(tmp_path / "art"), tmp_path / "cache", batch_size=8)
     assert loaders.max_length == 64 and loaders.vocab_size == 50257
     seen = []
     for batch in loaders.train:
         assert batch["input_ids"].dtype == torch.int64
-        assert torch.equal(batch["input_ids"], batch["labels"])
+        padded = batch["labels"] == IGNORE_INDEX  # the last block's tail only
+        assert torch.equal(batch["input_ids"][~padded], batch["labels"][~padded])
+        assert padded.sum() < 64 and (batch["input_ids"][padded] == tokenizer.eos_token_id).all()
+        seen.append(batch["input_ids"].numpy().copy())
         batch["input_ids"][0, 0] = -1  # collate copied: the arrays are writable and not streaming's
-        seen.append(batch["labels"].numpy())
     seen = np.concatenate(seen)
     # shuffled for training: the same multiset of blocks, every token exactly once
     assert len(seen) == len(expected)
@@ -84,10 +91,15 @@ def test_streaming_reads_back_exactly_the_tokens_written(tokenizer, shakespeare,
     assert sum(len(b["input_ids"]) for b in loaders.val) == 50
 
 
-def test_val_split_is_seeded(shakespeare):
-    a = split_documents(paragraphs_of_files(shakespeare), 0.05, seed=1)
-    b = split_documents(paragraphs_of_files(shakespeare), 0.05, seed=1)
-    assert a == b and 0.03 < len(a[1]) / (len(a[0]) + len(a[1])) < 0.07
+def test_val_split_is_a_stable_hash_of_each_document(shakespeare):
+    docs = list(paragraphs_of_files(shakespeare))
+    train, val = split_documents(docs, 0.05, seed=1)
+    assert 0.03 < len(val) / len(docs) < 0.07 and len(train) + len(val) == len(docs)
+    # a document's split does not depend on what else is read with it (so chunks split alone) ...
+    held_out = set(val)
+    assert split_documents(docs[::3], 0.05, seed=1)[1] == [d for d in docs[::3] if d in held_out]
+    # ... but on the seed
+    assert split_documents(docs, 0.05, seed=2)[1] != val
 
 
 def test_empty_corpus_and_bad_tokenizer_are_named(tmp_path):

@@ -27,6 +27,7 @@ def test_definitions_snapshot():
         "occlusion_manifests",
         "registered_adapter",
         "registered_visualchat",
+        "token_chunks",
         "token_shards",
         "visualchat_model",
     ]
@@ -53,7 +54,14 @@ def test_definitions_snapshot():
     assert len(specs) == 16 and all(spec.blocking for spec in specs) and not definitions.asset_checks
     job = definitions.resolve_job_def("main_job")
     assert {n.name for n in job.nodes} >= {"occlusion_manifests", "token_shards", "gpt_checkpoint"}
+    # the partitioned chunks are backfilled by a job of their own; token_shards merges all of them
+    assert "token_chunks" not in {n.name for n in job.nodes}
+    chunks_job = definitions.resolve_job_def("token_chunks_job")
+    assert {n.name for n in chunks_job.nodes} == {"token_chunks"} and chunks_job.partitions_def.name == "token_chunks"
+    assert graph.get(dg.AssetKey("token_shards")).parent_keys == {dg.AssetKey("token_chunks")}
+    assert graph.get(dg.AssetKey("token_chunks")).backfill_policy == dg.BackfillPolicy.multi_run(1)
     assert graph.get(dg.AssetKey("gpt_checkpoint")).parent_keys == {dg.AssetKey("token_shards")}
+    assert definitions.resolve_sensor_def("token_chunk_sensor").default_status == dg.DefaultSensorStatus.STOPPED
     assert graph.get(dg.AssetKey("registered_adapter")).parent_keys == {
         dg.AssetKey("eval_report"),
         dg.AssetKey("occlusion_adapter"),
@@ -133,14 +141,16 @@ def test_ui_materialize_and_main_job_use_the_active_profile(name):
     proc = _defaults_in_a_fresh_process(name)
     assert proc.returncode == 0, proc.stderr[-3000:]
     defaults = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert defaults["ui"] == defaults["main"]
-    ops = defaults["main"]
+    # the UI's job holds the partitioned token_chunks too, which main_job leaves to backfills
+    assert "token_chunks" not in defaults["main"]
+    assert defaults["ui"] == {**defaults["main"], "token_chunks": defaults["ui"]["token_chunks"]}
+    ops = defaults["ui"]
     assert ops["token_shards"]["source"] == ("text_files" if name == "demo" else "hf")
     assert ops["occlusion_manifests"]["source"] == ("fashion_mnist" if name == "demo" else "cifar10")
     assert ops["gpt_checkpoint"]["parallelism"]["num_nodes"] == (2 if name == "demo" else 1)
     assert ops["eval_report"]["checks"]["min_accuracy"] == (0.3 if name == "demo" else 0.5)
     profiled = profile_defaults(name)
-    assert name == "seed" or len(profiled) == 8
+    assert name == "seed" or len(profiled) == 9
     for key, values in profiled.items():  # "<asset>" or "<asset>.checks"
         asset, _, section = key.partition(".")
         config = ops[asset][section] if section else ops[asset]

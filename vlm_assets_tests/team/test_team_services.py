@@ -380,5 +380,164 @@ def test_a_model_registers_through_the_tracking_server_and_its_champion_predicts
     assert client.get_model_version_download_uri("shout", "1").startswith("mlflow-artifacts:")  # proxied to S3
     model = mlflow.pyfunc.load_model("models:/shout@champion")
     assert list(model.predict(pd.DataFrame({"text": ["sandal", "bag"]}))) == ["SANDAL", "BAG"]
-    with pytest.raises(MlflowException):
+    with pytest.raises(MlflowException, match=r"Invalid model version source: 'models:/m-.*model_id request"):
         client.create_model_version("shout", logged[0].model_uri, run_id=logged[0].run_id)
+
+
+BACKFILL = """mutation($params: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $params) {
+  __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message } } }"""
+BACKFILL_STATUS = """query($id: String!) { partitionBackfillOrError(backfillId: $id) {
+  ... on PartitionBackfill { status } } }"""
+ADD_PARTITION = """mutation($selector: RepositorySelector!, $name: String!, $key: String!) {
+  addDynamicPartition(repositorySelector: $selector, partitionsDefName: $name, partitionKey: $key) {
+  __typename ... on PythonError { message } } }"""
+
+
+def step_failure(instance, run_id: str) -> str:
+    """What a run's failed step said (a dg.Failure's description, or the error)."""
+    import dagster as dg
+
+    said = []
+    for record in instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_FAILURE).records:
+        data = record.event_log_entry.dagster_event.step_failure_data
+        said.append(data.user_failure_data.description if data.user_failure_data else data.error.message)
+    return "\n".join(said)
+
+
+def python_docs_corpus(offline_data: Path, root: Path) -> list[str]:
+    """Python's documentation (497 pages, one document each) as zstd JSON-lines chunks, the shape of
+    SlimPajama's: a large first chunk (a window wide enough to kill its run in the middle), seven
+    more, and one whose line 5 is not JSON."""
+    import json
+
+    import zstd
+
+    pages = sorted((offline_data / "python-docs").rglob("*.rst.txt"))
+    rows = [json.dumps({"text": page.read_text(), "meta": {"page": page.name}}) for page in pages]
+    root.mkdir()
+    groups = [rows[:200], *(rows[200 + i :: 7] for i in range(7))]
+    for i, group in enumerate(groups):
+        (root / f"part-{i:02d}.jsonl.zst").write_bytes(zstd.compress("\n".join(group).encode()))
+    (root / "part-99.jsonl.zst").write_bytes(zstd.compress("\n".join([*rows[:4], "{oops", *rows[4:8]]).encode()))
+    return sorted(p.name for p in root.iterdir())
+
+
+@pytest.mark.timeout(3600)  # each wait is bounded on its own by wait_until
+def test_a_backfill_tokenizes_chunks_two_runs_at_a_time_retries_a_killed_run_and_the_gpt_trains_on_all(
+    team, offline_data
+):
+    """A corpus of nine chunks backfilled through the webserver (the UI's path): one run per partition,
+    at most two at once (the backfill runs' tag limit in the instance), on the S3 store. One run is
+    SIGKILLed in the middle of its chunk: run monitoring fails it, the daemon retries it (the backfill's
+    `dagster/max_retries`), and no other partition is built twice. The corrupt chunk fails alone,
+    naming its file and line, without a retry. Then gpt_job merges the eight good partitions and trains
+    on them, streaming from S3."""
+    import dagster as dg
+
+    from vlm_assets.defs.platform.run_launcher import run_worker
+
+    source = team.root / "corpus"
+    keys = python_docs_corpus(offline_data, source)
+    repository = {"repositoryLocationName": "vlm_assets", "repositoryName": "__repository__"}
+    for key in keys:  # the UI's "Add partition"
+        added = team.graphql(ADD_PARTITION, selector=repository, name="token_chunks", key=key)
+        assert added["addDynamicPartition"]["__typename"] == "AddDynamicPartitionSuccess", added
+    chunks = {"source_dir": str(source), "tokenizer": str(offline_data / "gpt2-tokenizer"), "max_length": 256}
+    launched = team.graphql(
+        BACKFILL,
+        params={
+            "partitionNames": keys,
+            "assetSelection": [{"path": ["token_chunks"]}],
+            "tags": [{"key": "dagster/max_retries", "value": "2"}],
+            "runConfigData": {"ops": {"token_chunks": {"config": chunks}}},
+        },
+    )["launchPartitionBackfill"]
+    assert launched["__typename"] == "LaunchBackfillSuccess", launched
+    backfill = launched["backfillId"]
+    instance = team.instance()
+
+    def backfill_runs() -> list:
+        return instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill}))
+
+    def first_chunk_tokenizing():  # the big chunk's run, inside its step
+        for run in backfill_runs():
+            if run.tags.get("dagster/partition") == keys[0] and run.status == dg.DagsterRunStatus.STARTED:
+                logs = instance.get_records_for_run(run.run_id, of_type=dg.DagsterEventType.STEP_START).records
+                if logs:
+                    return run
+        return None
+
+    killed = wait_until(first_chunk_tokenizing, f"the run of {keys[0]} to start its step", every=0.2)
+    pid, _ = run_worker(instance, killed.run_id)
+    os.kill(pid, signal.SIGKILL)
+
+    def backfill_done():
+        status = team.graphql(BACKFILL_STATUS, id=backfill)["partitionBackfillOrError"]["status"]
+        runs = backfill_runs()
+        ended = all(r.is_finished for r in runs) and any(r.tags.get("dagster/parent_run_id") for r in runs)
+        return status in ("COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED") and ended and status
+
+    status = wait_until(backfill_done, "the backfill and the retry of its killed run to end", timeout=1800, every=2)
+    runs = backfill_runs()
+    by_partition: dict[str, list] = {}
+    for run in sorted(runs, key=lambda r: instance.get_run_record_by_id(r.run_id).create_timestamp):
+        by_partition.setdefault(run.tags["dagster/partition"], []).append(run)
+    statuses = {k: [r.status.value for r in rs] for k, rs in by_partition.items()}
+    assert (
+        statuses
+        == {
+            keys[0]: ["FAILURE", "SUCCESS"],  # killed, then retried by the daemon
+            **{k: ["SUCCESS"] for k in keys[1:-1]},
+            keys[-1]: ["FAILURE"],  # bad input: a step failure, not retried
+        }
+    ), (status, statuses, [team.failure(r.run_id) for r in runs if r.status != dg.DagsterRunStatus.SUCCESS])
+    assert by_partition[keys[0]][1].tags["dagster/parent_run_id"] == killed.run_id
+    assert f"{source / keys[-1]}:5: not valid JSON" in step_failure(instance, by_partition[keys[-1]][0].run_id)
+
+    # At most two at once: the runs' start-to-end windows never overlap three deep.
+    windows = [(s.start_time, s.end_time) for s in (instance.get_run_stats(r.run_id) for r in runs) if s.start_time]
+    edges = sorted([(start, 1) for start, _ in windows] + [(end, -1) for _, end in windows])
+    depth = [sum(d for _, d in edges[: i + 1]) for i in range(len(edges))]
+    assert max(depth) == 2, windows
+
+    # Every good partition was materialized once and built once (the retry rebuilt only the killed chunk).
+    materialized = {}
+    for record in instance.fetch_materializations(dg.AssetKey("token_chunks"), limit=100).records:
+        materialized.setdefault(record.partition_key, []).append(
+            record.asset_materialization.metadata["cache"].value[record.partition_key]
+        )
+    assert materialized == {k: ["miss"] for k in keys[:-1]}, materialized
+
+    # The GPT reads the merged dataset of every partition: the corrupt chunk's partition is removed first.
+    instance.delete_dynamic_partition("token_chunks", keys[-1])
+    gpt = team.launch(
+        "gpt_job",
+        {
+            "ops": {
+                "token_shards": {"config": {"source": "chunks"}},
+                "gpt_checkpoint": {
+                    "config": {
+                        "seed": 5,
+                        "optimizer": {"max_steps": 6},
+                        "data": {"val_check_interval": 6, "val_batches": 2},
+                        "checkpoint": {"every": 6},
+                        "parallelism": {"num_nodes": 1},
+                        "log_every": 3,
+                    }
+                },
+            }
+        },
+    )
+    assert team.wait_for_end(gpt) == "SUCCESS", team.failure(gpt)
+    events = instance.get_records_for_run(gpt, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION).records
+    meta = {
+        e.event_log_entry.dagster_event.asset_key.to_user_string(): {
+            k: getattr(v, "value", v) for k, v in e.event_log_entry.dagster_event.materialization.metadata.items()
+        }
+        for e in events
+    }
+    shards, checkpoint = meta["token_shards"], meta["gpt_checkpoint"]
+    assert shards["partitions"] == 8 and shards["uri"].startswith("s3://"), shards
+    assert checkpoint["dataset_partitions"] == 8, checkpoint
+    assert checkpoint["dataset_train_tokens"] == shards["train_num_tokens"] > 1_000_000, (checkpoint, shards)
+    assert checkpoint["dataset_train_shards"] == shards["train_num_shards"] >= 8

@@ -1,19 +1,42 @@
-"""``token_shards``: a GPT-2-tokenized corpus packed into fixed-length blocks as MDS shards, and its checks."""
+"""``token_shards``: a GPT-2-tokenized corpus packed into fixed-length blocks as MDS shards, and its checks;
+``token_chunks``: a large corpus tokenized one source file per partition, by backfills, for ``token_shards``
+to merge."""
 
-from typing import Literal, Self
+import hashlib
+import inspect
+import json
+import warnings
+from typing import Any, Literal, Self
 
 import dagster as dg
 from pydantic import Field, model_validator
 
 from vlm_assets.defs.platform.checks import Judged
-from vlm_assets.defs.platform.memo import AssetConfig, Built, Step, memoized_asset
+from vlm_assets.defs.platform.environment import chunks_per_run
+from vlm_assets.defs.platform.memo import (
+    BUILD_RETRY,
+    AssetConfig,
+    Built,
+    Step,
+    bad_input_fails_fast,
+    memoized_asset,
+    memoized_partition,
+)
+from vlm_assets.memo import cache_key
+from vlm_assets.storage import ArtifactRef, ArtifactStore
+from vlm_assets.train.run_config import run_field
+
+# One partition per source file, added as files are found (``token_chunk_sensor``, or by hand).
+CHUNKS = dg.DynamicPartitionsDefinition(name="token_chunks")
 
 
 class TokenShardsConfig(AssetConfig):
     profile_key = "token_shards"
 
-    source: Literal["hf", "text_files"] = Field(
-        default="hf", description="A Hugging Face dataset (hf_* fields) or local text files (text_glob)."
+    source: Literal["hf", "text_files", "chunks"] = Field(
+        default="hf",
+        description="A Hugging Face dataset (hf_* fields), local text files (text_glob), or every partition "
+        "of token_chunks, merged (their tokenizer and block length).",
     )
     hf_dataset: str = Field(default="wikitext", description="Hugging Face dataset id.")
     hf_config: str | None = Field(default="wikitext-103-raw-v1", description="Dataset config name.")
@@ -74,6 +97,8 @@ def build_shards(step: Step) -> Built:
     )
 
     config = step.config
+    if config.source == "chunks":
+        return merge_chunks(step)
     if config.source == "text_files":
         train_docs, val_docs = split_documents(paragraphs_of_files(config.text_glob), config.val_fraction, config.seed)
     else:
@@ -93,9 +118,68 @@ def build_shards(step: Step) -> Built:
     )
     return Built(
         scan=token_checks.scan(step.staging),
-        metrics={f"{split}_{k}": v for split, stats in summary["splits"].items() for k, v in stats.items()},
-        metadata={"vocab_size": summary["vocab_size"], "max_length": summary["max_length"]},
+        metrics=split_metrics(summary),
+        metadata={"vocab_size": summary["vocab_size"], "max_length": summary["max_length"], "partitions": 1},
     )
+
+
+def split_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    return {f"{split}_{k}": v for split, stats in summary["splits"].items() for k, v in stats.items()}
+
+
+def merge_chunks(step: Step) -> Built:
+    """``token_shards`` of every ``token_chunks`` partition: one ``tokens.json`` listing their splits as
+    streams (no shard copied), the tokenizer, and the chunks' recorded scans combined for the checks."""
+    from vlm_assets.data.token_chunks import merge_scans, merge_summary
+    from vlm_assets.data.token_shards import load_gpt2_tokenizer
+
+    chunks = {
+        name[len("token_chunks[") : -1]: ref for name, ref in step.upstream.items() if name.startswith("token_chunks[")
+    }
+    summary = merge_summary({k: (ref.uri, ref.metadata["metadata"]["tokens"]) for k, ref in chunks.items()})
+    load_gpt2_tokenizer(summary["tokenizer"]).save_pretrained(step.staging / "tokenizer")
+    (step.staging / "tokens.json").write_text(json.dumps(summary, indent=1))
+    step.context.log.info(f"merged {len(chunks)} token_chunks partitions: {summary['splits']}")
+    return Built(
+        scan=merge_scans([chunks[k].metadata["scan"] for k in sorted(chunks)], summary),
+        metrics=split_metrics(summary),
+        metadata={k: summary[k] for k in ("vocab_size", "max_length", "partitions")},
+    )
+
+
+def chunk_artifacts(context: dg.AssetExecutionContext, config: Any, store: ArtifactStore) -> dict[str, ArtifactRef]:
+    """For ``source: chunks``, the artifact of every ``token_chunks`` partition (its latest
+    materialization), as ``token_chunks[<key>]``; a partition without one fails the step, naming it."""
+    if config.source != "chunks":
+        return {}
+    keys = context.instance.get_dynamic_partitions(CHUNKS.name)
+    if not keys:
+        raise ValueError(
+            "token_shards reads token_chunks, which has no partitions: add the source's files "
+            "(token_chunk_sensor, or the UI's partitions tab) and backfill token_chunks first"
+        )
+    wanted, found, cursor = set(keys), {}, None
+    while len(found) < len(wanted):
+        page = context.instance.fetch_materializations(dg.AssetKey("token_chunks"), limit=1000, cursor=cursor)
+        for record in page.records:
+            partition = record.partition_key
+            if partition in wanted and partition not in found:
+                found[partition] = record.asset_materialization.metadata["artifacts"].value[partition]
+        if not page.has_more:
+            break
+        cursor = page.cursor
+    missing = [k for k in keys if k not in found]
+    if missing:
+        raise ValueError(
+            f"token_chunks: {len(missing)} of {len(keys)} partitions are not materialized "
+            f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): backfill them first"
+        )
+    refs = {}
+    for key in keys:
+        if not store.exists(found[key]):
+            raise ValueError(f"token_chunks partition '{key}': its artifact {found[key]} is not in this store")
+        refs[f"token_chunks[{key}]"] = store.ref(found[key])
+    return refs
 
 
 token_shards = memoized_asset(
@@ -109,4 +193,117 @@ token_shards = memoized_asset(
     checks=(token_ids_within_vocab, token_counts_match_summary, every_shard_readable),
     kinds={"python", "mosaicml"},
     group_name="data",
+    deps=[dg.AssetDep("token_chunks", partition_mapping=dg.AllPartitionMapping())],
+    resolve=chunk_artifacts,
 )
+
+
+class TokenChunksConfig(AssetConfig):
+    profile_key = "token_chunks"
+
+    source_dir: str | None = run_field(
+        None, "The corpus's directory: each file under it matching `pattern` is a partition, keyed by its path in it."
+    )
+    pattern: str = run_field("**/*.jsonl.zst", "Glob of the chunk files under source_dir (token_chunk_sensor).")
+    text_column: str = Field(default="text", description="JSON lines: the field holding a document's text.")
+    tokenizer: str = Field(
+        default="gpt2", description="GPT-2 BPE: hub id or local directory (vocab.json + merges.txt)."
+    )
+    max_length: int = Field(default=1024, ge=2, description="Tokens per block; documents are joined with EOS.")
+    val_fraction: float = Field(
+        default=0.0005, gt=0, lt=1, description="Share of documents held out for val (a stable hash of each)."
+    )
+    seed: int = Field(default=0, description="Salts the hash that splits documents into train and val.")
+    shard_size_limit: str = Field(default="64mb", description="MDS shard size limit (bytes or '64mb').")
+
+    def check_values(self) -> None:
+        if self.source_dir is None:
+            raise ValueError("token_chunks: config field source_dir is not set (the corpus's directory)")
+
+
+def build_chunk(context: dg.AssetExecutionContext, config: TokenChunksConfig, path, staging) -> Built:
+    from vlm_assets.data import token_checks
+    from vlm_assets.data.token_chunks import chunk_documents
+    from vlm_assets.data.token_shards import load_gpt2_tokenizer, split_documents, write_token_shards
+
+    train, val = split_documents(chunk_documents(path, config.text_column), config.val_fraction, config.seed)
+    summary = write_token_shards(
+        staging,
+        load_gpt2_tokenizer(config.tokenizer),
+        config.tokenizer,
+        train,
+        val,
+        max_length=config.max_length,
+        max_train_samples=None,
+        max_val_samples=None,
+        size_limit=config.shard_size_limit,
+        log=context.log.info,
+        chunk=True,
+    )
+    return Built(scan=token_checks.scan(staging), metrics=split_metrics(summary), metadata={"tokens": summary})
+
+
+def _token_chunks(context: dg.AssetExecutionContext, config: TokenChunksConfig) -> dg.MaterializeResult:
+    """Build or reuse each partition of the run (memoized per chunk); report their artifacts by key."""
+    from vlm_assets.data.token_chunks import chunk_path, content_version
+
+    code_version = context.assets_def.code_versions_by_key[context.asset_key] or ""
+    built: dict[str, tuple[ArtifactRef, str]] = {}
+    for partition in context.partition_keys:
+        with bad_input_fails_fast():
+            config.check_values()
+            path = chunk_path(config.source_dir, partition)
+            identity = {**config.identity(), "chunk": partition, "content_sha256": content_version(path)}
+        key = f"token_chunks/{cache_key('token_chunks', code_version, identity, {})}"
+        built[partition] = memoized_partition(
+            context, config, key, lambda staging, run, path=path: build_chunk(context, config, path, staging)
+        )
+    tokens = [ref.metadata["metadata"]["tokens"]["splits"] for ref, _ in built.values()]
+    versions = "".join(ref.data_version for ref, _ in built.values())
+    return dg.MaterializeResult(
+        metadata={
+            "artifacts": dg.MetadataValue.json({k: ref.key for k, (ref, _) in built.items()}),
+            "cache": dg.MetadataValue.json({k: cache for k, (_, cache) in built.items()}),
+            **{f"{s}_num_tokens": sum(t[s]["num_tokens"] for t in tokens) for s in ("train", "val")},
+        },
+        data_version=dg.DataVersion(hashlib.sha256(versions.encode()).hexdigest()[:32]),
+    )
+
+
+with warnings.catch_warnings():
+    # backfill_policy is marked beta; its warning at every load of the definitions would read as trouble
+    warnings.simplefilter("ignore", dg.BetaWarning)
+    token_chunks = dg.asset(
+        name="token_chunks",
+        partitions_def=CHUNKS,
+        # a backfill runs this many partitions in one run (one pod on Kubernetes): a 60,000-file corpus
+        # is 60,000 / N runs, each paying a run's start once
+        backfill_policy=dg.BackfillPolicy.multi_run(chunks_per_run()),
+        code_version="1",
+        retry_policy=BUILD_RETRY,
+        required_resource_keys={"artifact_store", "mlflow"},
+        kinds={"python", "mosaicml"},
+        group_name="data",
+        description=inspect.cleandoc(
+            """One file of a large corpus (a partition, keyed by its path under ``source_dir``)
+        tokenized as ``token_shards`` tokenizes a corpus, into MDS shards under a key of its own: its code
+        version, identity config and the file's SHA-256, so a changed or failed chunk rebuilds alone. Built
+        by backfills (``VLM_ASSETS_CHUNKS_PER_RUN`` partitions a run); ``token_shards`` with ``source:
+        chunks`` merges every partition into the one dataset the GPT trains on."""
+        ),
+    )(_token_chunks)
+
+
+@dg.sensor(minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED)
+def token_chunk_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult | dg.SkipReason:
+    """Add a ``token_chunks`` partition for every file of the configured source not yet one."""
+    from vlm_assets.data.token_chunks import list_chunks
+
+    config = TokenChunksConfig()
+    if config.source_dir is None:
+        return dg.SkipReason("token_chunks.source_dir is not set in the profile")
+    known = set(context.instance.get_dynamic_partitions(CHUNKS.name))
+    new = [key for key in list_chunks(config.source_dir, config.pattern) if key not in known]
+    if not new:
+        return dg.SkipReason(f"no new file under {config.source_dir}")
+    return dg.SensorResult(dynamic_partitions_requests=[CHUNKS.build_add_request(new)])

@@ -79,6 +79,7 @@ def report(step: Step, values: dict) -> Built:
         f"{config.parallelism.num_nodes}x{config.parallelism.nproc_per_node} processes",
     )
     (staging / "loss_curve.png").write_bytes(png)
+    dataset = step.upstream["token_shards"].metadata
     return Built(
         scan=export_scan(staging, step.upstream["token_shards"].uri),
         metrics=numbers(values),
@@ -86,6 +87,13 @@ def report(step: Step, values: dict) -> Built:
             "checkpoint_key": values["checkpoint"],
             **{k: values[k] for k in ("strategy", "precision", "backend")},
             "vocab_size": vocab,
+            # the dataset it trained on, merged from this many token_chunks partitions (1: built whole)
+            "dataset_partitions": dataset["metadata"].get("partitions", 1),
+            **{
+                f"dataset_{split}_{stat}": dataset["metrics"][f"{split}_num_{stat}"]
+                for split in ("train", "val")
+                for stat in ("tokens", "shards")
+            },
         },
         markdown={"loss_curve": step.run.log_image(staging / "loss_curve.png", "loss curve")},
     )

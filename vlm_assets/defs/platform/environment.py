@@ -12,6 +12,7 @@
 ``VLM_ASSETS_LEASE_TTL_S`` seconds without renewal after which a builder's lease expires (default 120)
 ``VLM_ASSETS_SCHEDULE_CRON`` cron of ``main_schedule`` (default ``0 3 * * *``)
 ``VLM_ASSETS_SCHEDULE_JOB``  the job ``main_schedule`` runs (default ``main_job``; e.g. ``gpt_job``)
+``VLM_ASSETS_CHUNKS_PER_RUN`` partitions of ``token_chunks`` one backfill run builds (default 1)
 """
 
 import os
@@ -51,6 +52,13 @@ def schedule_job(jobs: list[str], env: Mapping[str, str] = os.environ) -> str:
     if name not in jobs:
         raise ValueError(f"VLM_ASSETS_SCHEDULE_JOB={name!r}: expected one of {sorted(jobs)}")
     return name
+
+
+def chunks_per_run(env: Mapping[str, str] = os.environ) -> int:
+    value = env.get("VLM_ASSETS_CHUNKS_PER_RUN", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"VLM_ASSETS_CHUNKS_PER_RUN={value!r}: expected a whole number of at least 1")
+    return int(value)
 
 
 def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.ConfigurableResource]:

@@ -161,13 +161,17 @@ def memoized_asset(
     retry_policy: dg.RetryPolicy = BUILD_RETRY,
     interrupt_when_canceled: bool = True,
     resources: Sequence[str] = (),
+    deps: Sequence[dg.AssetDep] = (),
+    resolve: Callable[[dg.AssetExecutionContext, Any, ArtifactStore], dict[str, ArtifactRef]] | None = None,
     **asset_args: Any,
 ) -> dg.AssetsDefinition:
     """An asset named ``name`` whose body is ``build(step)``, memoized (``materialize_memoized``): it reads
     the artifacts of ``ins`` (inputs named after their assets) and of the asset an ``UpstreamAsset`` field
     of its config names, when set (each member a ``deps`` edge, so an asset that does not read it neither
     waits for it nor rebuilds when it changes); ``checks`` run in its step; ``build`` finds the
-    ``resources`` it names (beside the artifact store and MLflow) on its context. ``asset_args`` go to ``dg.asset``."""
+    ``resources`` it names (beside the artifact store and MLflow) on its context. ``deps``: edges read
+    through ``resolve(context, config, store)``, which returns more upstream artifacts by name (all the
+    partitions of a partitioned asset). ``asset_args`` go to ``dg.asset``."""
     choices = upstream_choices(config_type)
 
     @dg.asset(
@@ -176,7 +180,7 @@ def memoized_asset(
         code_version=code_version,
         retry_policy=retry_policy,
         ins={source: dg.AssetIn(source) for source in ins},
-        deps=[member.value for choice in choices.values() for member in choice] or None,
+        deps=[*deps, *(member.value for choice in choices.values() for member in choice)] or None,
         check_specs=check_specs(name, checks),
         # by key: Dagster takes an asset's resources as typed parameters or by key, not both, and one
         # function serves every asset here, whatever resources its build needs
@@ -194,6 +198,8 @@ def memoized_asset(
             for field in choices:
                 if (picked := getattr(config, field)) is not None:
                     upstream[picked.value] = upstream_ref(context, store, picked.value)
+            if resolve is not None:
+                upstream.update(resolve(context, config, store))
         key = artifact_key(context, config, upstream)
         yield from materialize_memoized(
             context,
@@ -235,6 +241,18 @@ def materialize_memoized(
     with _interrupted_when_canceled(context) if interrupt_when_canceled else contextlib.nullcontext():
         output = step.output(key)
     yield from judge(output, checks, Judged(output.value, getattr(config, "checks", None), step.store, step.upstream))
+
+
+def memoized_partition(
+    context: dg.AssetExecutionContext, config: AssetConfig, key: str, build: Callable[[Path, TrackedRun], Built]
+) -> tuple[ArtifactRef, str]:
+    """One partition of a partitioned asset, memoized as a whole asset is: its artifact under ``key``
+    (a cache hit, or built under the key's lease in an MLflow run) and ``"hit"`` or ``"miss"``."""
+    artifact_store, mlflow = context.resources.artifact_store, context.resources.mlflow
+    step = _Memoized(context, artifact_store, artifact_store.get_store(), mlflow, config, build, {})
+    with _interrupted_when_canceled(context):
+        output = step.output(key)
+    return output.value, getattr(output.metadata["cache"], "value", output.metadata["cache"])
 
 
 @dataclasses.dataclass
