@@ -185,3 +185,19 @@ def test_the_kit_rehearses_on_cpu_in_the_gpu_machines_stack_with_the_offline_car
     adapter = parts["adapter"]["rows"]
     assert [row["setting"].split()[0] for row in adapter] == ["seed", "ours"]
     assert all(row["samples_per_s"] > 0 and row["peak_bytes"] > 2**20 for row in adapter)
+
+
+def test_the_smoke_test_names_a_missing_package_and_the_wheels_that_bring_it(tmp_path):
+    # torchdata made unimportable for this process only, as on a GPU machine without the carry
+    (tmp_path / "torchdata").mkdir()
+    (tmp_path / "torchdata" / "__init__.py").write_text("raise ImportError('not on this machine')\n")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu_kit.py"), "--smoke"],
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "smoke: missing packages: torchdata (not on this machine): carry torchdata" in proc.stderr, proc.stderr
+    assert "scripts/gpu-check.sh --fetch" in proc.stderr

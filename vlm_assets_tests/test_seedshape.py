@@ -15,7 +15,14 @@ Seed row -> what runs here instead:
 - the adapter on Qwen2.5-VL-3B under ZeRO-2 -> a tiny Qwen2.5-VL saved with ``save_pretrained``,
   DeepSpeed ZeRO-2 over 2 processes (gloo);
 - VisualChat CLIP ViT-L/14 + Llama-2-7B with LoRA -> a tiny CLIP vision tower and a tiny Llama, ZeRO-2
-  over 2 processes.
+  over 2 processes;
+- ``eval_report`` on every validation image and both registrations, in the MLflow registry (sqlite).
+
+The seed's thresholds and strategies hold except where a CPU cannot honour them, each named where it is
+set (and in docs/assets.md): the GPT's ``checks.min_val_loss_gain`` 0 (two steps of a tiny width); the
+adapter's ``parallelism.strategy: deepspeed`` (the seed's ``auto`` picks DDP without a GPU); the
+registrations' gates (``eval_report.checks`` 0 and -100 %, ``visualchat_model.checks.min_exact_match``
+0) after the seed's own gates were shown to refuse the tiny models.
 """
 
 import json
@@ -145,7 +152,18 @@ def fashion_mnist(offline_data: Path, num_train: int, num_validation: int) -> di
     }
 
 
-def test_adapter_on_a_qwen2_5_vl_directory_under_deepspeed_zero2(tmp_path, offline_data):
+def champion(env: IsolatedEnv, name: str) -> str | None:
+    """The registry version ``name@champion`` points at, or None."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(MlflowClient(env.uri).get_model_version_by_alias(name, "champion").version)
+    except MlflowException:
+        return None
+
+
+def test_adapter_on_a_qwen2_5_vl_directory_under_deepspeed_zero2_evaluated_and_registered(tmp_path, offline_data):
     from vlm_assets.data.occlusion_dataset import class_names
     from vlm_assets.models.tiny_qwen import build_tiny_qwen
 
@@ -160,18 +178,35 @@ def test_adapter_on_a_qwen2_5_vl_directory_under_deepspeed_zero2(tmp_path, offli
         "data": {"num_train": 8, "num_validation": 4},
         "parallelism": {"strategy": "deepspeed", "nproc_per_node": 2},  # the seed's "auto" on GPUs; DDP on CPU
     }
-    env = IsolatedEnv(tmp_path / "env", seed_assets("occlusion_manifests", "occlusion_adapter"))
-    result = env.materialize({"ops": {**manifests, "occlusion_adapter": {"config": adapter}}})
+    graph = seed_assets("occlusion_manifests", "occlusion_adapter", "eval_report", "registered_adapter")
+    env = IsolatedEnv(tmp_path / "env", graph)
+    ops = {**manifests, "occlusion_adapter": {"config": adapter}}
+    result = env.materialize({"ops": ops}, raise_on_error=False)
     trained = meta(result, "occlusion_adapter")
     assert trained["epochs"] == 1 and trained["world_size"] == 2
     assert (trained["strategy"], trained["precision"], trained["backend"]) == ("deepspeed", "32-true", "gloo")
     assert all(checks_of(result, "occlusion_adapter").values())
+    # The seed's eval on every validation image, with the seed's gates: one epoch of a random tiny Qwen
+    # names no class with a 95 % lower bound of 50 %, so the blocking check refuses it and nothing registers.
+    report = meta(result, "eval_report")
+    assert report["num_samples"] == 10 and Path(report["uri"], "report.html").is_file()
+    assert checks_of(result, "eval_report")["adapter_accuracy_meets_threshold"] is False
+    assert (
+        not result.asset_materializations_for_node("registered_adapter") and champion(env, "occlusion_adapter") is None
+    )
+    # Override (a CPU's tiny model cannot honour the seed's thresholds): gates at 0 and -100 %, so the
+    # seed's registration runs: the eval is a cache hit judged again, the adapter registered as champion.
+    gates = {"eval_report": {"config": {"checks": {"min_accuracy": 0.0, "min_gain": -1.0}}}}
+    registered = env.materialize({"ops": {**ops, **gates}})
+    assert meta(registered, "eval_report")["cache"] == "hit"
+    assert meta(registered, "registered_adapter")["registry"] == "registered"
+    assert champion(env, "occlusion_adapter") == "1"
 
 
-def test_visualchat_with_a_clip_encoder_and_a_llama_decoder(tmp_path, offline_data):
+def test_visualchat_with_a_clip_encoder_and_a_llama_decoder_gated_and_registered(tmp_path, offline_data):
     from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
 
-    env = IsolatedEnv(tmp_path / "env", seed_assets("occlusion_manifests", "visualchat_model"))
+    env = IsolatedEnv(tmp_path / "env", seed_assets("occlusion_manifests", "visualchat_model", "registered_visualchat"))
     visualchat = {
         "model": {
             "encoder": str(tiny_clip(tmp_path / "clip")),  # openai/clip-vit-large-patch14's place
@@ -202,3 +237,11 @@ def test_visualchat_with_a_clip_encoder_and_a_llama_decoder(tmp_path, offline_da
     }
     (failed,) = [e for e in result.get_asset_check_evaluations() if not e.passed]
     assert "vs threshold 50.0%" in failed.description, failed.description
+    assert not result.asset_materializations_for_node("registered_visualchat") and champion(env, "visualchat") is None
+    # Override (a CPU's tiny model cannot honour the seed's threshold): min_exact_match 0, so the seed's
+    # registration runs on the same model (a cache hit, judged again) and points the champion at it.
+    config["visualchat_model"]["config"]["checks"] = {"min_exact_match": 0.0}
+    registered = env.materialize({"ops": config})
+    assert meta(registered, "visualchat_model")["cache"] == "hit"
+    assert meta(registered, "registered_visualchat")["registry"] == "registered"
+    assert champion(env, "visualchat") == "1"

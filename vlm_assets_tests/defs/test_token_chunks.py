@@ -92,6 +92,7 @@ def source(tmp_path, offline_data) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_merged_chunks_equal_an_unpartitioned_build_and_a_changed_chunk_rebuilds_alone(embedded, offline_data, source):
     keys = list_chunks(source, "*.txt")
     assert keys == sorted(WORKS)
@@ -160,6 +161,7 @@ def test_merged_chunks_equal_an_unpartitioned_build_and_a_changed_chunk_rebuilds
     )
 
 
+@pytest.mark.slow
 def test_bad_chunks_fail_alone_naming_the_file_line_or_key_and_nothing_is_merged(embedded, offline_data, tmp_path):
     source = tmp_path / "jsonl"
     source.mkdir()
@@ -214,6 +216,7 @@ print(json.dumps({"name": request.partitions_def_name, "keys": request.partition
 """
 
 
+@pytest.mark.slow
 def test_the_sensor_adds_each_new_file_of_the_profiles_source_once():
     # profiles are read when the config classes are made: the demo profile's in a process of its own
     proc = subprocess.run(

@@ -82,3 +82,41 @@ def test_the_indexed_job_takes_the_node_index_from_the_completion_index():
         arg.startswith("--rdzv-endpoint=gpt-checkpoint-") and "-0.gpt-checkpoint-" in arg
         for arg in container["command"]
     )
+
+
+def test_the_helm_values_run_a_backfill_as_pods_six_at_most_and_retry_a_dead_one():
+    """deploy/helm/values.yaml as the chart writes it into the instance (its run coordinator and run
+    retries templates), loaded by Dagster itself: every run is a pod of K8sRunLauncher, a backfill's
+    runs hold at most 6 of the queue's 8 slots, a run whose pod died is retried when its tags ask and
+    a step's own failure is not, and the code location's partitions-per-run setting parses."""
+    import dagster as dg
+
+    from vlm_assets.defs.platform.environment import chunks_per_run
+
+    values = yaml.safe_load((REPO / "deploy" / "helm" / "values.yaml").read_text())
+    assert values["runLauncher"]["type"] == "K8sRunLauncher"
+    daemon = values["dagsterDaemon"]
+    queued, retries = daemon["runCoordinator"]["config"]["queuedRunCoordinator"], daemon["runRetries"]
+    overrides = {
+        "run_coordinator": {
+            "module": "dagster.core.run_coordinator",
+            "class": "QueuedRunCoordinator",
+            "config": {
+                "max_concurrent_runs": queued["maxConcurrentRuns"],
+                "tag_concurrency_limits": queued["tagConcurrencyLimits"],
+            },
+        },
+        "run_retries": {
+            "enabled": retries["enabled"],
+            "max_retries": retries["maxRetries"],
+            "retry_on_asset_or_op_failure": retries["retryOnAssetOrOpFailure"],
+        },
+    }
+    with dg.instance_for_test(overrides=overrides) as instance:
+        queue = instance.get_concurrency_config().run_queue_config
+        assert queue.max_concurrent_runs == 8
+        assert [(limit["key"], limit["limit"]) for limit in queue.tag_concurrency_limits] == [("dagster/backfill", 6)]
+        assert instance.run_retries_enabled and not instance.run_retries_retry_on_asset_or_op_failure
+    deployment = values["dagster-user-deployments"]["deployments"][0]
+    env = {item["name"]: item["value"] for item in deployment["env"]}
+    assert chunks_per_run(env) == 16

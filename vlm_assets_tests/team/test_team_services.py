@@ -404,6 +404,13 @@ def step_failure(instance, run_id: str) -> str:
     return "\n".join(said)
 
 
+def partition_of(run) -> str:
+    """The one partition of a backfill run (a backfill's runs name theirs as a range, here of one)."""
+    start, end = (run.tags.get(f"dagster/asset_partition_range_{edge}") for edge in ("start", "end"))
+    assert start == end, f"run {run.run_id} holds {start}..{end}: one partition a run expected"
+    return start
+
+
 def python_docs_corpus(offline_data: Path, root: Path) -> list[str]:
     """Python's documentation (497 pages, one document each) as zstd JSON-lines chunks, the shape of
     SlimPajama's: a large first chunk (a window wide enough to kill its run in the middle), seven
@@ -461,7 +468,7 @@ def test_a_backfill_tokenizes_chunks_two_runs_at_a_time_retries_a_killed_run_and
 
     def first_chunk_tokenizing():  # the big chunk's run, inside its step
         for run in backfill_runs():
-            if run.tags.get("dagster/partition") == keys[0] and run.status == dg.DagsterRunStatus.STARTED:
+            if partition_of(run) == keys[0] and run.status == dg.DagsterRunStatus.STARTED:
                 logs = instance.get_records_for_run(run.run_id, of_type=dg.DagsterEventType.STEP_START).records
                 if logs:
                     return run
@@ -481,7 +488,7 @@ def test_a_backfill_tokenizes_chunks_two_runs_at_a_time_retries_a_killed_run_and
     runs = backfill_runs()
     by_partition: dict[str, list] = {}
     for run in sorted(runs, key=lambda r: instance.get_run_record_by_id(r.run_id).create_timestamp):
-        by_partition.setdefault(run.tags["dagster/partition"], []).append(run)
+        by_partition.setdefault(partition_of(run), []).append(run)
     statuses = {k: [r.status.value for r in rs] for k, rs in by_partition.items()}
     assert (
         statuses
@@ -518,11 +525,11 @@ def test_a_backfill_tokenizes_chunks_two_runs_at_a_time_retries_a_killed_run_and
                 "gpt_checkpoint": {
                     "config": {
                         "seed": 5,
-                        "optimizer": {"max_steps": 6},
-                        "data": {"val_check_interval": 6, "val_batches": 2},
-                        "checkpoint": {"every": 6},
+                        "optimizer": {"max_steps": 20, "warmup_steps": 2},
+                        "data": {"val_check_interval": 20, "val_batches": 2},
+                        "checkpoint": {"every": 20},
                         "parallelism": {"num_nodes": 1},
-                        "log_every": 3,
+                        "log_every": 10,
                     }
                 },
             }
