@@ -79,7 +79,7 @@ def test_a_few_steps_learn_real_shakespeare_tokens(offline_data):
 
     tokenizer = load_gpt2_tokenizer(str(offline_data / "gpt2-tokenizer"))
     docs = list(paragraphs_of_files(str(offline_data / "shakespeare" / "hamlet*.txt")))
-    data = torch.from_numpy(np.stack(list(pack_blocks(tokenizer, docs, 32, 8)))).long()
+    data = torch.from_numpy(np.stack([ids for ids, _ in pack_blocks(tokenizer, docs, 32, 8)])).long()
     model = tiny().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
