@@ -187,6 +187,7 @@ def test_the_kit_rehearses_on_cpu_in_the_gpu_machines_stack_with_the_offline_car
     assert all(row["samples_per_s"] > 0 and row["peak_bytes"] > 2**20 for row in adapter)
 
 
+@pytest.mark.slow  # imports the whole stack in a process of its own
 def test_the_smoke_test_names_a_missing_package_and_the_wheels_that_bring_it(tmp_path):
     # torchdata made unimportable for this process only, as on a GPU machine without the carry
     (tmp_path / "torchdata").mkdir()

@@ -28,6 +28,9 @@ pytestmark = pytest.mark.slow
 GRAPH = [occlusion_manifests, visualchat_model, registered_visualchat]  # checks: in the assets' steps
 
 
+# This module tests the registration and serving around the VQA gate, not the gate's passing side: a
+# tiny model trained four steps names no class, so no threshold above 0 can pass here. The passing
+# side with the demo's real threshold (and a margin) is test_main_job's; the refusing side is below (1.0).
 def run_config(offline_data: Path, models: Path, visualchat=None, min_exact_match=0.0) -> dict:
     return {
         "ops": {
