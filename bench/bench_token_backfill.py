@@ -4,8 +4,8 @@ and of a partition, and from those the wall time of a SlimPajama-sized corpus on
     python bench/bench_token_backfill.py [--write] [--pods 1,16,64,256] [--corpus-tokens 627e9]
                                          [--corpus-files 59166]
 
-Each run is a real one: ``dagster asset materialize --select token_chunks --partition KEY`` in its own
-process on a fresh embedded instance (process start, definitions load, the run, the chunk's lease, its
+Each run is a real one: ``dagster job execute -j token_chunks_job`` with a backfill's partition-range
+tags, in its own process on a fresh embedded instance (process start, definitions load, the run, the chunk's lease, its
 MLflow run, the commit), as a backfill's run worker does. Corpus: Python 3.11's documentation (497
 pages, 11 MB, the offline data), one page a document, as zstd JSON-lines chunks: three of the docs
 three times over (33 MB, about SlimPajama's average chunk of 10.6 M tokens) and four of one short
@@ -39,8 +39,8 @@ MAX_LENGTH = 1024
 
 
 def corpus(root: Path) -> dict[str, int]:
-    """Three chunks the size of a SlimPajama one (the docs three times over, about 10 M tokens) and
-    two of one short page; returns key -> text bytes."""
+    """Write three chunks the size of a SlimPajama one (the docs three times over, about 10 M tokens)
+    and four of one short page; return key -> text bytes."""
     pages = sorted((offline_data_dir() / "python-docs").rglob("*.rst.txt"))
     texts = [page.read_text() for page in pages]
     root.mkdir(parents=True)
@@ -90,11 +90,11 @@ class Instance:
     def run(self, first: str, last: str | None = None) -> dict:
         """Materialize the partitions ``first`` to ``last`` (a backfill's range) in one run of a process
         of its own: wall seconds, the step's seconds, tokens."""
-        tags = (
-            {"dagster/partition": first}
-            if last is None
-            else {"dagster/asset_partition_range_start": first, "dagster/asset_partition_range_end": last}
-        )
+        tags = {
+            "dagster/asset_partition_range_start": first,
+            "dagster/asset_partition_range_end": last or first,
+            "bench/run": f"{first}..{last or first}",  # finds this run among concurrent ones
+        }
         started = time.perf_counter()
         proc = subprocess.run(
             [sys.executable, "-m", "dagster", "job", "execute", "-m", "vlm_assets.definitions", "-j"]
@@ -107,21 +107,23 @@ class Instance:
         wall = time.perf_counter() - started
         if proc.returncode != 0:
             raise RuntimeError(f"run of {first}..{last} failed:\n{proc.stderr[-3000:]}")
-        return {"partitions": [first, last] if last else [first], "wall_s": wall, **self.step()}
+        return {"partitions": [first, last] if last else [first], "wall_s": wall, **self.step(tags["bench/run"])}
 
-    def step(self) -> dict:
-        """The newest run's step time and tokens (each of a run's partitions records the run's sums)."""
+    def step(self, tag: str) -> dict:
+        """The step time and tokens of the run tagged ``tag``."""
         code = """
-import json, dagster as dg
+import json, sys, dagster as dg
 instance = dg.DagsterInstance.get()
-run = instance.get_runs(limit=1)[0]
+(run,) = instance.get_runs(filters=dg.RunsFilter(tags={"bench/run": sys.argv[1]}))
 stats = instance.get_run_step_stats(run.run_id)[0]
 record = instance.get_records_for_run(run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION).records[0]
 meta = record.event_log_entry.dagster_event.materialization.metadata
-tokens = meta["train_num_tokens"].value + meta["val_num_tokens"].value
+tokens = meta["run_train_tokens"].value + meta["run_val_tokens"].value
 print(json.dumps({"step_s": stats.end_time - stats.start_time, "tokens": tokens}))
 """
-        out = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code, tag], env=self.env, capture_output=True, text=True, check=True
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -85,8 +85,13 @@ def chunk_documents(path: Path, text_column: str = "text") -> Iterator[str]:
             raise ValueError(f"{path}:{number}: no text column '{text_column}' (has {columns})")
         if not isinstance(row[text_column], str):
             raise ValueError(f"{path}:{number}: column '{text_column}' is {type(row[text_column]).__name__}, not text")
-        if row[text_column].strip():
-            yield row[text_column]
+        text = row[text_column]
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate escaped in the JSON ("\ud800")
+            raise ValueError(f"{path}:{number}: column '{text_column}' is not valid Unicode ({err.reason})") from None
+        if text.strip():
+            yield text
 
 
 def _jsonl_lines(path: Path) -> Iterator[str]:
@@ -117,11 +122,15 @@ def _decompressed(path: Path) -> bytes:
     return raw
 
 
-def merge_summary(chunks: Mapping[str, tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
+def merge_summary(
+    chunks: Mapping[str, tuple[str, Mapping[str, Any]]], configs: Mapping[str, Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
     """One ``tokens.json`` for the chunks ``{key: (artifact uri, its tokens.json)}``, in key order.
 
     The splits' counts are the chunks' sums; ``streams`` lists, per split, the directories of the
-    chunks that hold samples of it. Every chunk must share the tokenizer, vocabulary and block length.
+    chunks that hold samples of it. Every chunk must share the tokenizer, vocabulary and block length,
+    and ``configs`` (each chunk's identity config, when given) must agree: a chunk split with another
+    seed or fraction could hold in train a document another holds in val.
     """
     if not chunks:
         raise ValueError("no chunk to merge")
@@ -131,10 +140,14 @@ def merge_summary(chunks: Mapping[str, tuple[str, Mapping[str, Any]]]) -> dict[s
     for key in keys:
         summary = chunks[key][1]
         differing = [f for f in shared if summary.get(f) != first.get(f)]
+        if configs is not None:
+            differing += sorted(
+                f for f in {*configs[key], *configs[keys[0]]} if configs[key].get(f) != configs[keys[0]].get(f)
+            )
         if differing:
             raise ValueError(
-                f"chunk '{key}' differs from '{keys[0]}' in {', '.join(differing)}: "
-                "rebuild the chunks with one tokenizer and block length"
+                f"chunk '{key}' differs from '{keys[0]}' in {', '.join(dict.fromkeys(differing))}: "
+                "rebuild the chunks with one config"
             )
     merged: dict[str, Any] = {f: first[f] for f in shared} | {"columns": first["columns"], "partitions": len(keys)}
     merged["splits"], merged["streams"] = {}, {}
@@ -144,8 +157,8 @@ def merge_summary(chunks: Mapping[str, tuple[str, Mapping[str, Any]]]) -> dict[s
             raise ValueError(f"no chunk holds a {split} sample: the corpus is too small to merge")
         merged["streams"][split] = [f"{chunks[k][0].rstrip('/')}/{split}" for k in holding]
         merged["splits"][split] = {
-            stat: sum(chunks[k][1]["splits"][split][stat] for k in keys)
-            for stat in ("num_samples", "num_shards", "num_tokens")
+            stat: sum(chunks[k][1]["splits"][split].get(stat, 0) for k in keys)
+            for stat in ("num_samples", "num_shards", "num_tokens", "num_padding")
         }
     return merged
 

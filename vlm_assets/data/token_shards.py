@@ -189,8 +189,10 @@ def hf_documents(dataset: str, config: str | None, split: str, column: str) -> I
 
 
 def is_val(document: str, val_fraction: float, seed: int) -> bool:
-    """Whether a document is held out for validation: a stable hash of the seed and its text below
-    ``val_fraction``, so the split of a document is the same wherever and with whatever it is read."""
+    """Whether ``document`` is held out for validation.
+
+    A stable hash of its text, keyed by ``seed``, falls below ``val_fraction``: a document's split is the
+    same wherever and with whatever else it is read (a chunk of a corpus splits alone)."""
     digest = hashlib.blake2b(document.encode("utf-8"), digest_size=8, key=str(seed).encode()).digest()
     return int.from_bytes(digest, "big") < val_fraction * (1 << 64)
 
@@ -209,8 +211,9 @@ def split_documents(documents: Iterable[str], val_fraction: float, seed: int) ->
 def pack_blocks(
     tokenizer, documents: Iterable[str], max_length: int, max_samples: int | None
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yield ``(input_ids, labels)`` int32 blocks of ``max_length`` tokens from ``doc EOS doc EOS ...``;
-    the last, partial block is padded with EOS whose labels are ``IGNORE_INDEX``."""
+    """Yield ``(input_ids, labels)`` int32 blocks of ``max_length`` tokens of ``doc EOS doc EOS ...``.
+
+    The last, partial block is padded with EOS whose labels are ``IGNORE_INDEX``."""
     buffer = np.empty(0, np.int32)
     emitted = 0
     for flat in encoded_batches(tokenizer, documents):
@@ -237,18 +240,20 @@ def write_split(
     log: Callable[[str], None] | None = None,
     allow_empty: bool = False,
 ) -> dict[str, int]:
-    """Write ``(input_ids, labels)`` blocks as one MDS split; returns its sample and shard counts.
+    """Write ``(input_ids, labels)`` blocks as one MDS split; return its sample, shard and padding counts.
+
     Fewer tokens than one block is an error unless ``allow_empty`` (a chunk of a larger corpus)."""
-    num_samples = full = 0
+    num_samples = full = padding = 0
     with MDSWriter(out=str(out_dir), columns=COLUMNS, size_limit=size_limit) as writer:
         for ids, labels in report_progress(blocks, desc, log, unit="blocks"):
             writer.write({"input_ids": ids, "labels": labels})
             num_samples += 1
             full += int(labels[-1] != IGNORE_INDEX)
+            padding += int((labels == IGNORE_INDEX).sum())
     if full == 0 and not allow_empty:
         raise ValueError(f"{desc}: the corpus is too short for one block of the requested length")
     num_shards = len(json.loads((out_dir / "index.json").read_text())["shards"])
-    return {"num_samples": num_samples, "num_shards": num_shards}
+    return {"num_samples": num_samples, "num_shards": num_shards, "num_padding": padding}
 
 
 def write_token_shards(

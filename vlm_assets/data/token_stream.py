@@ -23,14 +23,15 @@ def collate_tokens(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tens
 def token_dataset(
     uri: str, split: str, *, cache_dir: str | Path | None = None, batch_size: int, shuffle: bool = False, seed: int = 0
 ) -> StreamingDataset:
-    """A ``StreamingDataset`` over a split of a ``token_shards`` artifact; ``uri`` is a local directory or ``s3://...``.
+    """A ``StreamingDataset`` over a split of a ``token_shards`` artifact (a local directory or ``s3://``).
 
     A merged artifact (``tokens.json`` lists ``streams``: the splits of its chunks) is read as one
     dataset of those streams. With a ``cache_dir`` the shards are copied or downloaded into
-    ``cache_dir/<split>``: give every concurrent run its own (streaming keys its shared memory on the
-    local path, so two runs reading one path at once collide). Without one, local shards are read in
-    place (single reader). Streaming partitions samples across ranks itself (``WORLD_SIZE``/``RANK``
-    from torchrun), so a distributed sampler must not be added on top.
+    ``cache_dir/<split>`` (a stream's into ``cache_dir/<split>/<its index>``): give every concurrent
+    run its own (streaming keys its shared memory on the local path, so two runs reading one path at
+    once collide). Without one, local shards are read in place (single reader). Streaming partitions
+    samples across ranks itself (``WORLD_SIZE``/``RANK`` from torchrun), so a distributed sampler must
+    not be added on top.
     """
     if uri.startswith("s3://") and cache_dir is None:
         raise ValueError("token_dataset: a cache_dir is required to stream from s3://")

@@ -9,7 +9,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from vlm_assets.defs.platform.environment import profile, resources_for, schedule_cron, schedule_job
+from vlm_assets.defs.platform.environment import chunks_per_run, profile, resources_for, schedule_cron, schedule_job
 from vlm_assets.defs.platform.profiles import PROFILE_DIR, profile_defaults
 from vlm_assets.paths import offline_data_dir
 from vlm_assets.train.gpt_config import PretrainConfig
@@ -59,7 +59,8 @@ def test_definitions_snapshot():
     chunks_job = definitions.resolve_job_def("token_chunks_job")
     assert {n.name for n in chunks_job.nodes} == {"token_chunks"} and chunks_job.partitions_def.name == "token_chunks"
     assert graph.get(dg.AssetKey("token_shards")).parent_keys == {dg.AssetKey("token_chunks")}
-    assert graph.get(dg.AssetKey("token_chunks")).backfill_policy == dg.BackfillPolicy.multi_run(1)
+    policy = graph.get(dg.AssetKey("token_chunks")).backfill_policy
+    assert policy.max_partitions_per_run == chunks_per_run()  # the environment's, 1 unless it says
     assert graph.get(dg.AssetKey("gpt_checkpoint")).parent_keys == {dg.AssetKey("token_shards")}
     assert definitions.resolve_sensor_def("token_chunk_sensor").default_status == dg.DefaultSensorStatus.STOPPED
     assert graph.get(dg.AssetKey("registered_adapter")).parent_keys == {
@@ -114,6 +115,10 @@ def test_environment_switches(tmp_path, monkeypatch):
     assert schedule_job(jobs, {"VLM_ASSETS_SCHEDULE_JOB": "gpt_job"}) == "gpt_job"
     with pytest.raises(ValueError, match="VLM_ASSETS_SCHEDULE_JOB='nightly_job': expected one of"):
         schedule_job(jobs, {"VLM_ASSETS_SCHEDULE_JOB": "nightly_job"})
+    assert chunks_per_run({}) == 1 and chunks_per_run({"VLM_ASSETS_CHUNKS_PER_RUN": "16"}) == 16
+    for bad in ("0", "-2", "many"):
+        with pytest.raises(ValueError, match=f"VLM_ASSETS_CHUNKS_PER_RUN='{bad}': expected a whole number"):
+            chunks_per_run({"VLM_ASSETS_CHUNKS_PER_RUN": bad})
 
 
 def _defaults_in_a_fresh_process(profile_name: str) -> subprocess.CompletedProcess:

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import zstd
 
-from vlm_assets.data.token_chunks import chunk_documents, list_chunks
+from vlm_assets.data.token_chunks import list_chunks, merge_summary
+from vlm_assets.data.token_shards import paragraphs_of_files
 from vlm_assets.data.token_stream import token_dataset
 from vlm_assets.data.tokens import IGNORE_INDEX
 from vlm_assets.defs.data.token_assets import CHUNKS, token_chunks, token_shards
@@ -139,7 +140,7 @@ def test_merged_chunks_equal_an_unpartitioned_build_and_a_changed_chunk_rebuilds
         # each chunk pads its own last block: the merged split has at most one block per chunk more
         blocks = merged_meta[f"{split}_num_samples"] - whole_meta[f"{split}_num_samples"]
         assert 0 <= blocks < len(WORKS), (split, blocks)
-    paragraphs = sum(1 for key in keys for _ in chunk_documents(source / key))
+    paragraphs = sum(1 for _ in paragraphs_of_files(str(source / "*.txt")))  # the unpartitioned reader
     assert sum(len(documents(merged_uri, s)) for s in ("train", "val")) == paragraphs
 
     # One chunk rewritten: its partition rebuilds, every other one is a cache hit, the merge is new.
@@ -175,7 +176,21 @@ def test_bad_chunks_fail_alone_naming_the_file_line_or_key_and_nothing_is_merged
     embedded.instance.add_dynamic_partitions(CHUNKS.name, [*list_chunks(source, "*.jsonl*"), "gone.jsonl.zst"])
     config = chunk_config(offline_data, source)
 
-    assert meta(build_partition(embedded, "a.jsonl.zst", config), "token_chunks")["train_num_tokens"] > 0
+    # a good and a bad chunk in one run (a backfill's range): the good one is built and materialized
+    ranged = dg.materialize(
+        [token_chunks],
+        tags={"dagster/asset_partition_range_start": "a.jsonl.zst", "dagster/asset_partition_range_end": "b.jsonl.zst"},
+        resources=embedded.resources,
+        run_config=config,
+        instance=embedded.instance,
+        raise_on_error=False,
+    )
+    assert not ranged.success
+    assert f"1 of 2 chunks failed: b.jsonl.zst: ValueError: {source / 'b.jsonl.zst'}:3: not valid JSON" in failure(
+        ranged
+    )
+    (good,) = ranged.asset_materializations_for_node("token_chunks")
+    assert good.partition == "a.jsonl.zst" and good.metadata["tokens"].value["a.jsonl.zst"]["train"] > 10_000
     expected = {
         "b.jsonl.zst": f"{source / 'b.jsonl.zst'}:3: not valid JSON",
         "c.jsonl": f"{source / 'c.jsonl'}:2: no text column 'text' (has ['content'])",
@@ -237,3 +252,26 @@ def test_a_source_without_chunks_is_named(tmp_path):
         list_chunks(tmp_path, "**/*.jsonl.zst")
     with pytest.raises(ValueError, match="is not a directory"):
         list_chunks(tmp_path / "nope", "*")
+
+
+def chunk_summary(train: int, val: int, max_length: int = 128) -> dict:
+    splits = {
+        name: {"num_samples": n, "num_shards": min(n, 1), "num_tokens": n * max_length, "num_padding": 3 * min(n, 1)}
+        for name, n in (("train", train), ("val", val))
+    }
+    shared = {"tokenizer": "gpt2", "vocab_size": 50257, "eos_token_id": 50256, "columns": {}}
+    return {**shared, "max_length": max_length, "splits": splits}
+
+
+def test_a_merge_lists_only_the_chunks_holding_a_split_and_refuses_chunks_that_disagree():
+    merged = merge_summary({"b": ("s3://x/b", chunk_summary(5, 0)), "a": ("s3://x/a/", chunk_summary(4, 2))})
+    assert merged["streams"] == {"train": ["s3://x/a/train", "s3://x/b/train"], "val": ["s3://x/a/val"]}
+    assert merged["splits"]["train"] == {"num_samples": 9, "num_shards": 2, "num_tokens": 9 * 128, "num_padding": 6}
+    assert merged["partitions"] == 2
+    with pytest.raises(ValueError, match="no chunk holds a val sample"):
+        merge_summary({"a": ("x/a", chunk_summary(4, 0)), "b": ("x/b", chunk_summary(5, 0))})
+    with pytest.raises(ValueError, match="chunk 'b' differs from 'a' in max_length"):
+        merge_summary({"a": ("x/a", chunk_summary(4, 1)), "b": ("x/b", chunk_summary(5, 1, max_length=64))})
+    configs = {"a": {"seed": 0, "val_fraction": 0.1}, "b": {"seed": 1, "val_fraction": 0.1}}
+    with pytest.raises(ValueError, match="chunk 'b' differs from 'a' in seed"):
+        merge_summary({"a": ("x/a", chunk_summary(4, 1)), "b": ("x/b", chunk_summary(5, 1))}, configs)

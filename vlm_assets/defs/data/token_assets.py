@@ -6,6 +6,7 @@ import hashlib
 import inspect
 import json
 import warnings
+from collections.abc import Iterator
 from typing import Any, Literal, Self
 
 import dagster as dg
@@ -23,7 +24,7 @@ from vlm_assets.defs.platform.memo import (
     memoized_partition,
 )
 from vlm_assets.memo import cache_key
-from vlm_assets.storage import ArtifactRef, ArtifactStore
+from vlm_assets.storage import ArtifactNotFoundError, ArtifactRef, ArtifactStore
 from vlm_assets.train.run_config import run_field
 
 # One partition per source file, added as files are found (``token_chunk_sensor``, or by hand).
@@ -124,19 +125,25 @@ def build_shards(step: Step) -> Built:
 
 
 def split_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """A ``tokens.json`` summary's per-split counts as flat metrics (``train_num_samples``, ...)."""
     return {f"{split}_{k}": v for split, stats in summary["splits"].items() for k, v in stats.items()}
 
 
 def merge_chunks(step: Step) -> Built:
-    """``token_shards`` of every ``token_chunks`` partition: one ``tokens.json`` listing their splits as
-    streams (no shard copied), the tokenizer, and the chunks' recorded scans combined for the checks."""
+    """Build ``token_shards`` from every ``token_chunks`` partition, copying no shard.
+
+    One ``tokens.json`` lists the chunks' splits as streams, beside the tokenizer; the checks judge the
+    chunks' recorded scans, combined."""
     from vlm_assets.data.token_chunks import merge_scans, merge_summary
     from vlm_assets.data.token_shards import load_gpt2_tokenizer
 
     chunks = {
         name[len("token_chunks[") : -1]: ref for name, ref in step.upstream.items() if name.startswith("token_chunks[")
     }
-    summary = merge_summary({k: (ref.uri, ref.metadata["metadata"]["tokens"]) for k, ref in chunks.items()})
+    summary = merge_summary(
+        {k: (ref.uri, ref.metadata["metadata"]["tokens"]) for k, ref in chunks.items()},
+        {k: ref.metadata["config"] for k, ref in chunks.items()},
+    )
     load_gpt2_tokenizer(summary["tokenizer"]).save_pretrained(step.staging / "tokenizer")
     (step.staging / "tokens.json").write_text(json.dumps(summary, indent=1))
     step.context.log.info(f"merged {len(chunks)} token_chunks partitions: {summary['splits']}")
@@ -148,8 +155,9 @@ def merge_chunks(step: Step) -> Built:
 
 
 def chunk_artifacts(context: dg.AssetExecutionContext, config: Any, store: ArtifactStore) -> dict[str, ArtifactRef]:
-    """For ``source: chunks``, the artifact of every ``token_chunks`` partition (its latest
-    materialization), as ``token_chunks[<key>]``; a partition without one fails the step, naming it."""
+    """Return the artifact of every ``token_chunks`` partition as ``token_chunks[<key>]`` (``source: chunks``).
+
+    Each is its partition's latest materialization's; a partition without one fails the step, naming it."""
     if config.source != "chunks":
         return {}
     keys = context.instance.get_dynamic_partitions(CHUNKS.name)
@@ -164,7 +172,13 @@ def chunk_artifacts(context: dg.AssetExecutionContext, config: Any, store: Artif
         for record in page.records:
             partition = record.partition_key
             if partition in wanted and partition not in found:
-                found[partition] = record.asset_materialization.metadata["artifacts"].value[partition]
+                artifacts = record.asset_materialization.metadata.get("artifacts")
+                if artifacts is None or partition not in artifacts.value:
+                    raise ValueError(
+                        f"token_chunks partition '{partition}': its latest materialization (run "
+                        f"{record.run_id}) names no artifact: materialize the partition again"
+                    )
+                found[partition] = artifacts.value[partition]
         if not page.has_more:
             break
         cursor = page.cursor
@@ -176,20 +190,25 @@ def chunk_artifacts(context: dg.AssetExecutionContext, config: Any, store: Artif
         )
     refs = {}
     for key in keys:
-        if not store.exists(found[key]):
-            raise ValueError(f"token_chunks partition '{key}': its artifact {found[key]} is not in this store")
-        refs[f"token_chunks[{key}]"] = store.ref(found[key])
+        try:
+            refs[f"token_chunks[{key}]"] = store.ref(found[key])
+        except ArtifactNotFoundError:
+            raise ValueError(
+                f"token_chunks partition '{key}': its artifact {found[key]} is not in this store"
+            ) from None
     return refs
 
 
 token_shards = memoized_asset(
     "token_shards",
     description="""A text corpus tokenized with GPT-2 BPE, documents joined with EOS into blocks of
-    ``max_length`` tokens (no padding), written as MosaicML MDS shards (``train/``, ``val/``; columns
-    ``input_ids`` and ``labels`` as int32) plus the tokenizer. Stream it back with
-    ``vlm_assets.data.token_stream.build_token_dataloaders``.""",
+    ``max_length`` tokens (the last one padded, its padding labelled -100), written as MosaicML MDS
+    shards (``train/``, ``val/``; columns ``input_ids`` and ``labels`` as int32) plus the tokenizer; or,
+    with ``source: chunks``, every ``token_chunks`` partition listed as one dataset. Stream it back
+    with ``vlm_assets.data.token_stream.build_token_dataloaders``.""",
     config_type=TokenShardsConfig,
     build=build_shards,
+    code_version="2",  # 2: the hash split and the padded last block
     checks=(token_ids_within_vocab, token_counts_match_summary, every_shard_readable),
     kinds={"python", "mosaicml"},
     group_name="data",
@@ -243,31 +262,62 @@ def build_chunk(context: dg.AssetExecutionContext, config: TokenChunksConfig, pa
     return Built(scan=token_checks.scan(staging), metrics=split_metrics(summary), metadata={"tokens": summary})
 
 
-def _token_chunks(context: dg.AssetExecutionContext, config: TokenChunksConfig) -> dg.MaterializeResult:
-    """Build or reuse each partition of the run (memoized per chunk); report their artifacts by key."""
+def _token_chunks(
+    context: dg.AssetExecutionContext, config: TokenChunksConfig
+) -> Iterator[dg.MaterializeResult | dg.AssetMaterialization]:
+    """Build or reuse each partition of the run (memoized per chunk); a bad chunk fails alone."""
     from vlm_assets.data.token_chunks import chunk_path, content_version
 
     code_version = context.assets_def.code_versions_by_key[context.asset_key] or ""
     built: dict[str, tuple[ArtifactRef, str]] = {}
+    bad: dict[str, str] = {}
     for partition in context.partition_keys:
-        with bad_input_fails_fast():
-            config.check_values()
-            path = chunk_path(config.source_dir, partition)
-            identity = {**config.identity(), "chunk": partition, "content_sha256": content_version(path)}
-        key = f"token_chunks/{cache_key('token_chunks', code_version, identity, {})}"
-        built[partition] = memoized_partition(
-            context, config, key, lambda staging, run, path=path: build_chunk(context, config, path, staging)
+        try:
+            with bad_input_fails_fast():
+                config.check_values()
+                path = chunk_path(config.source_dir, partition)
+                identity = {**config.identity(), "chunk": partition, "content_sha256": content_version(path)}
+            key = f"token_chunks/{cache_key('token_chunks', code_version, identity, {})}"
+            built[partition] = memoized_partition(
+                context, config, key, lambda staging, run, path=path: build_chunk(context, config, path, staging)
+            )
+        except dg.Failure as err:  # bad input: not retried, and no reason to fail the run's other chunks
+            if err.allow_retries or len(context.partition_keys) == 1:
+                raise
+            bad[partition] = err.description or str(err)
+    if bad:
+        # A step's result covers every partition of its run; the good ones are reported one by one
+        # instead, so that only the bad chunks are left unmaterialized (and a retry rebuilds only them).
+        for partition, (ref, cache) in built.items():
+            yield dg.AssetMaterialization(
+                asset_key=context.asset_key, partition=partition, metadata=_chunk_metadata({partition: (ref, cache)})
+            )
+        raise dg.Failure(
+            f"{len(bad)} of {len(context.partition_keys)} chunks failed: "
+            + "; ".join(f"{key}: {why}" for key, why in bad.items()),
+            allow_retries=False,
         )
-    tokens = [ref.metadata["metadata"]["tokens"]["splits"] for ref, _ in built.values()]
     versions = "".join(ref.data_version for ref, _ in built.values())
-    return dg.MaterializeResult(
-        metadata={
-            "artifacts": dg.MetadataValue.json({k: ref.key for k, (ref, _) in built.items()}),
-            "cache": dg.MetadataValue.json({k: cache for k, (_, cache) in built.items()}),
-            **{f"{s}_num_tokens": sum(t[s]["num_tokens"] for t in tokens) for s in ("train", "val")},
-        },
+    yield dg.MaterializeResult(
+        metadata=_chunk_metadata(built),
+        # one result for every partition of the run; each partition's own version is in the store
         data_version=dg.DataVersion(hashlib.sha256(versions.encode()).hexdigest()[:32]),
     )
+
+
+def _chunk_metadata(built: dict[str, tuple[ArtifactRef, str]]) -> dict[str, Any]:
+    """What a run of ``token_chunks`` records: per partition its artifact, cache outcome and token counts
+    (``chunk_artifacts`` reads ``artifacts``), and the run's sums."""
+    splits = {k: ref.metadata["metadata"]["tokens"]["splits"] for k, (ref, _) in built.items()}
+    tokens = {
+        k: {s: v[s]["num_tokens"] - v[s].get("num_padding", 0) for s in ("train", "val")} for k, v in splits.items()
+    }
+    return {
+        "artifacts": dg.MetadataValue.json({k: ref.key for k, (ref, _) in built.items()}),
+        "cache": dg.MetadataValue.json({k: cache for k, (_, cache) in built.items()}),
+        "tokens": dg.MetadataValue.json(tokens),
+        **{f"run_{s}_tokens": sum(t[s] for t in tokens.values()) for s in ("train", "val")},
+    }
 
 
 with warnings.catch_warnings():
@@ -302,8 +352,21 @@ def token_chunk_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult |
     config = TokenChunksConfig()
     if config.source_dir is None:
         return dg.SkipReason("token_chunks.source_dir is not set in the profile")
+    try:
+        found = list_chunks(config.source_dir, config.pattern)
+    except ValueError as err:  # an empty or unmounted source: said on every tick, not an error each time
+        return dg.SkipReason(str(err))
     known = set(context.instance.get_dynamic_partitions(CHUNKS.name))
-    new = [key for key in list_chunks(config.source_dir, config.pattern) if key not in known]
+    new = [key for key in found if key not in known and not _refused_key(key)]
+    for key in found:
+        if _refused_key(key):
+            context.log.warning(f"{config.source_dir}/{key}: Dagster refuses this partition key; rename the file")
     if not new:
         return dg.SkipReason(f"no new file under {config.source_dir}")
     return dg.SensorResult(dynamic_partitions_requests=[CHUNKS.build_add_request(new)])
+
+
+def _refused_key(key: str) -> bool:
+    # Dagster's rule for partition keys (its INVALID_PARTITION_SUBSTRINGS, not public API): it refuses a
+    # request holding one such key as a whole, so one odd file name would stop every new partition.
+    return any(part in key for part in ("...", "\a", "\b", "\f", "\n", "\r", "\t", "\v", "\0"))

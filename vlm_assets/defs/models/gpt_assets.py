@@ -89,10 +89,12 @@ def report(step: Step, values: dict) -> Built:
             "vocab_size": vocab,
             # the dataset it trained on, merged from this many token_chunks partitions (1: built whole)
             "dataset_partitions": dataset["metadata"].get("partitions", 1),
+            **{f"dataset_{split}_shards": dataset["metrics"][f"{split}_num_shards"] for split in ("train", "val")},
+            # tokens of text: the padding of each last block (its labels ignored) left out
             **{
-                f"dataset_{split}_{stat}": dataset["metrics"][f"{split}_num_{stat}"]
+                f"dataset_{split}_tokens": dataset["metrics"][f"{split}_num_tokens"]
+                - dataset["metrics"].get(f"{split}_num_padding", 0)
                 for split in ("train", "val")
-                for stat in ("tokens", "shards")
             },
         },
         markdown={"loss_curve": step.run.log_image(staging / "loss_curve.png", "loss curve")},

@@ -55,6 +55,7 @@ def schedule_job(jobs: list[str], env: Mapping[str, str] = os.environ) -> str:
 
 
 def chunks_per_run(env: Mapping[str, str] = os.environ) -> int:
+    """The partitions of ``token_chunks`` one backfill run builds (``VLM_ASSETS_CHUNKS_PER_RUN``)."""
     value = env.get("VLM_ASSETS_CHUNKS_PER_RUN", "1")
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"VLM_ASSETS_CHUNKS_PER_RUN={value!r}: expected a whole number of at least 1")

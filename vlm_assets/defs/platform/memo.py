@@ -246,8 +246,9 @@ def materialize_memoized(
 def memoized_partition(
     context: dg.AssetExecutionContext, config: AssetConfig, key: str, build: Callable[[Path, TrackedRun], Built]
 ) -> tuple[ArtifactRef, str]:
-    """One partition of a partitioned asset, memoized as a whole asset is: its artifact under ``key``
-    (a cache hit, or built under the key's lease in an MLflow run) and ``"hit"`` or ``"miss"``."""
+    """Build or reuse one partition's artifact under ``key``; return it and ``"hit"`` or ``"miss"``.
+
+    Memoized as a whole asset is: a cache hit, or built under the key's lease in an MLflow run."""
     artifact_store, mlflow = context.resources.artifact_store, context.resources.mlflow
     step = _Memoized(context, artifact_store, artifact_store.get_store(), mlflow, config, build, {})
     with _interrupted_when_canceled(context):
