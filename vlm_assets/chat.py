@@ -33,6 +33,7 @@ def resolve_model(model: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the terminal chat (see the module docstring); return the exit code."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="model directory or models:/NAME@ALIAS")
     parser.add_argument("--max-new-tokens", type=int, default=64)

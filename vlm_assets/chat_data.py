@@ -20,6 +20,7 @@ DEMO_IMAGE_TOKENS = 49  # EfficientNet-Lite0's 7x7 feature map: the demo's encod
 
 
 def summarize(path: str, records: list, tokenizer, image_tokens: int, kind: str) -> dict:
+    """Return one file's summary: format, records, images, tokens, most images per record, longest record."""
     from vlm_assets.data.visualchat_data import render
 
     lengths = [len(render(r, tokenizer, 0, image_tokens, max_length=10**9).ids) for r in records]
@@ -35,6 +36,7 @@ def summarize(path: str, records: list, tokenizer, image_tokens: int, kind: str)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Inspect each chat dataset named on the command line (see the module docstring); return the exit code."""
     from vlm_assets.data.chat_formats import FORMATS, ChatDataError, detect_format, read_chat_dataset
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

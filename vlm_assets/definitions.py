@@ -9,6 +9,7 @@ from vlm_assets.defs.platform.profiles import check_profile_claimed
 
 @dg.definitions
 def defs() -> dg.Definitions:
+    """Load the definitions of every module under ``vlm_assets``, then check that each profile key is claimed."""
     loaded = dg.load_from_defs_folder(path_within_project=Path(__file__).parent)
     check_profile_claimed()  # every config class is imported by now
     return loaded

@@ -19,6 +19,7 @@ def cache_key(
     config: Mapping[str, Any],
     upstream_data_versions: Mapping[str, str] | None = None,
 ) -> str:
+    """Return the cache key of an asset's artifact: a hash of name, code version, config and upstream data versions."""
     payload = {
         "asset": asset_name,
         "code_version": code_version,

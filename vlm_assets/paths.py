@@ -9,10 +9,12 @@ from pathlib import Path
 
 
 def home_dir() -> Path:
+    """Return the project's home directory, ``$VLM_ASSETS_HOME`` (default ``var``), resolved."""
     return Path(os.environ.get("VLM_ASSETS_HOME", "var")).expanduser().resolve()
 
 
 def cache_dir() -> Path:
+    """Return the cache directory, ``$VLM_ASSETS_CACHE`` (default ``~/.cache/vlm_assets``), resolved."""
     return Path(os.environ.get("VLM_ASSETS_CACHE", "~/.cache/vlm_assets")).expanduser().resolve()
 
 
@@ -29,8 +31,10 @@ def runs_dir() -> Path:
 
 
 def require_local(name_or_path: str, what: str, *, directory: bool = True) -> None:
-    """A model reference that names a local path (absolute, ``./``, ``~``), not a hub id, must exist:
-    ``FileNotFoundError`` naming ``what`` and the path otherwise."""
+    """Require a model reference that names a local path (absolute, ``./``, ``~``), not a hub id, to exist.
+
+    Raise ``FileNotFoundError`` naming ``what`` and the path otherwise.
+    """
     if name_or_path.startswith(("/", ".", "~")):
         path = Path(name_or_path).expanduser()
         if not (path.is_dir() if directory else path.exists()):

@@ -86,6 +86,7 @@ def test_an_incomplete_carry_is_named_and_an_unknown_part_lists_the_parts(tmp_pa
     assert "--only bench: no such part; the parts are smoke, gpt, visualchat, adapter, tests" in proc.stderr
 
 
+@pytest.mark.slow  # imports every part in a process of its own
 def test_what_the_kit_runs_imports_no_dagster_or_mlflow():
     """Dagster and MLflow are not carried: the engine-level gpu tests and the benches must not need them."""
     code = """

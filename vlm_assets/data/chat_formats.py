@@ -47,6 +47,8 @@ FETCH_ATTEMPTS = 3
 
 @dataclasses.dataclass(frozen=True)
 class ChatRecord:
+    """One conversation read from a chat dataset: its messages, its local image files and where it came from."""
+
     messages: list[dict]  # content: a string or parts {"type": "text", "text"} / {"type": "image", "image"}
     images: list[str]  # local image files (or FILE.npy#I), in order of appearance
     where: str  # "file:line" for errors
@@ -66,6 +68,7 @@ class BadRecord(ValueError):
 
 # -- images ------------------------------------------------------------------------------------------------
 def image_cache() -> Path:
+    """Return the folder (created) where images fetched or decoded from chat records are kept."""
     path = cache_dir() / "chat-images"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -119,6 +122,7 @@ def fetch_image(url: str) -> str:
 
 
 def data_uri_image(uri: str) -> str:
+    """Decode a base64 ``data:`` URI's image, keep it in the image cache and return its local file."""
     header, comma, payload = uri.partition(",")
     if not comma or not header.endswith(";base64"):
         raise BadRecord(f"data: URI {uri[:40]!r}... is not base64 (expected data:image/...;base64,...)")
@@ -183,6 +187,7 @@ def _check_messages(messages, image_of: Callable[[dict], str | None]) -> tuple[l
 
 
 def openai_record(data, folders: list[Path]) -> tuple[list[dict], list[str]]:
+    """Read one OpenAI-style record (``messages`` with image parts); return its messages and image files."""
     if not isinstance(data, dict) or "messages" not in data:
         raise BadRecord("expected an object with a 'messages' list")
 
@@ -198,6 +203,10 @@ def openai_record(data, folders: list[Path]) -> tuple[list[dict], list[str]]:
 
 
 def llava_record(data, folders: list[Path]) -> tuple[list[dict], list[str]]:
+    """Read one LLaVA-style record (``conversations`` and ``image``); return its messages and image files.
+
+    The ``<image>`` markers in the turns must match the listed images in number.
+    """
     if not isinstance(data, dict) or not isinstance(data.get("conversations"), list):
         raise BadRecord("expected an object with a 'conversations' list")
     listed = data.get("image", [])
@@ -229,6 +238,10 @@ def llava_record(data, folders: list[Path]) -> tuple[list[dict], list[str]]:
 
 
 def hf_record(data: dict, folders: list[Path]) -> tuple[list[dict], list[str]]:
+    """Read one Hugging Face-style row (``messages`` and ``images``); return its messages and image files.
+
+    Image placeholders must match the images in number; an image is given as bytes or a path.
+    """
     images = data.get("images") or []
     if not isinstance(images, list):
         raise BadRecord(f"'images' must be a list, got {type(images).__name__}")
@@ -310,6 +323,7 @@ def _hf_rows(path: Path) -> Iterator[tuple[int, object]]:
 
 
 def detect_format(path: Path) -> str:
+    """Return the format of the chat dataset at ``path``: ``hf`` for a folder or Parquet file, else its JSON format."""
     if path.is_dir() or path.suffix == ".parquet":
         return "hf"
     return _json_format(path, next(_json_rows(path), None))
@@ -339,8 +353,10 @@ def read_chat_dataset(
     image_folder: str | Path | None = None,
     max_errors: int = 20,
 ) -> list[ChatRecord]:
-    """Every record of one chat dataset, validated and with local image files; ``ChatDataError`` listing
-    up to ``max_errors`` bad records otherwise."""
+    """Read every record of one chat dataset, validated and with local image files.
+
+    Raise ``ChatDataError`` listing up to ``max_errors`` bad records otherwise.
+    """
     path = Path(path).expanduser()
     if format not in FORMATS:
         raise ValueError(f"format {format!r}: expected one of {', '.join(FORMATS)}")

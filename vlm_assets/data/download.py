@@ -17,10 +17,12 @@ _CHUNK = 1 << 20
 
 
 def is_url(uri: str) -> bool:
+    """Return whether ``uri`` is an http(s) URL."""
     return urlparse(uri).scheme in {"http", "https"}
 
 
 def md5_file(path: Path) -> str:
+    """Return the hex MD5 digest of the file at ``path``, read in chunks."""
     digest = hashlib.md5(usedforsecurity=False)
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -32,8 +34,11 @@ MIRROR_ENV = "VLM_ASSETS_DOWNLOAD_MIRROR"
 
 
 def mirrored(url: str) -> str:
-    """``url`` on the mirror that ``$VLM_ASSETS_DOWNLOAD_MIRROR`` names (a base URL that serves the same paths,
-    e.g. an internal copy of public datasets for a cluster without internet), else ``url`` itself."""
+    """Return ``url`` on the mirror that ``$VLM_ASSETS_DOWNLOAD_MIRROR`` names, else ``url`` itself.
+
+    The mirror is a base URL that serves the same paths, e.g. an internal copy of public datasets for a cluster
+    without internet.
+    """
     mirror = os.environ.get(MIRROR_ENV)
     if not mirror:
         return url
@@ -43,9 +48,9 @@ def mirrored(url: str) -> str:
 
 
 def fetch(uri: str, cache_dir: Path, md5: str | None = None, log: Callable[[str], None] | None = None) -> Path:
-    """Return a local path for ``uri`` (a URL, fetched from ``$VLM_ASSETS_DOWNLOAD_MIRROR`` when set, or a
-    local path), downloading a URL once.
+    """Return a local path for ``uri`` (a URL or a local path), downloading a URL once.
 
+    A URL is fetched from ``$VLM_ASSETS_DOWNLOAD_MIRROR`` when set.
     Downloads land in ``cache_dir/<md5 of the url's folder>/<file name>`` via a temporary file, so an interrupted
     download never looks cached. With ``md5`` the file (cached or fresh) is verified; a mismatch in a
     fresh download raises ``ValueError`` naming the URL, a mismatch in a cached copy re-downloads it.

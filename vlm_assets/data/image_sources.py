@@ -38,6 +38,8 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".ti
 
 @dataclasses.dataclass
 class ImageSplit:
+    """The images of one split, their class labels and where each came from in the source."""
+
     images: np.ndarray  # (N, H, W, C) uint8, C = 1 (grey) or 3 (RGB)
     labels: np.ndarray  # (N,) int64 class indices
     origins: list[str]  # per image: "<file>#<record>" in the source
@@ -48,6 +50,8 @@ class ImageSplit:
 
 @dataclasses.dataclass
 class ImageSource:
+    """A labelled image source: its name, class names, and its train and eval splits."""
+
     name: str
     class_names: list[str]
     train: ImageSplit
@@ -142,6 +146,7 @@ def load_fashion_mnist(directory: Path) -> ImageSource:
 
 
 def fashion_mnist_files() -> list[str]:
+    """Return the file names of the Fashion-MNIST idx files (train and test images and labels)."""
     return [f"{p}-{k}-ubyte.gz" for p in ("train", "t10k") for k in ("images-idx3", "labels-idx1")]
 
 
@@ -206,9 +211,11 @@ def load_source(
     seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> ImageSource:
-    """The images of ``kind`` (``cifar10``: the python tarball, its md5 checked; ``fashion_mnist``: the idx
-    files; ``image_folder``) at ``uri`` (a URL or a local path; unset: the official one), downloaded
-    into ``downloads`` once."""
+    """Load the images of ``kind`` at ``uri``, downloaded into ``downloads`` once.
+
+    ``kind``: ``cifar10`` (the python tarball, its md5 checked), ``fashion_mnist`` (the idx files) or
+    ``image_folder``. ``uri``: a URL or a local path; unset, the official one.
+    """
     from vlm_assets.data.download import fetch
 
     if kind == "cifar10":

@@ -199,6 +199,7 @@ class ManifestImages:
         self._arrays: dict[str, np.ndarray] = {}
 
     def get(self, row: dict[str, Any], where: str = "") -> np.ndarray:
+        """Return the image a manifest row points at (its pack file and index), the pack memory-mapped once."""
         ref = row["image"]
         if ref not in self._arrays:
             path = self.root / ref

@@ -14,6 +14,8 @@ from vlm_assets.data.occlusion import SPLITS, BoxBounds, ManifestImages, read_ma
 
 @dataclasses.dataclass
 class CheckOutcome:
+    """The verdict of one data check: passed or not, a description, metadata, and whether a failure only warns."""
+
     passed: bool
     description: str
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -21,10 +23,12 @@ class CheckOutcome:
 
 
 def scan(root: Path, bounds: dict[str, BoxBounds]) -> dict[str, Any]:
-    """One read of the whole artifact (manifests once, every image decoded once): what every check
-    needs, as JSON. It is committed in the artifact's manifest when built, so checks on a cache hit
-    need not read the images again. ``bounds`` are the asset config's (identity), so box outcomes
-    can be judged here; the balance tolerance is the check's own setting and is judged later."""
+    """Read the whole artifact once (manifests once, every image decoded once); return what every check needs, as JSON.
+
+    It is committed in the artifact's manifest when built, so checks on a cache hit need not read the images again.
+    ``bounds`` are the asset config's (identity), so box outcomes can be judged here; the balance tolerance is the
+    check's own setting and is judged later.
+    """
     summary = json.loads((root / "dataset.json").read_text())
     images = ManifestImages(root)
     result: dict[str, Any] = {
@@ -63,6 +67,7 @@ def scan(root: Path, bounds: dict[str, BoxBounds]) -> dict[str, Any]:
 
 
 def boxes_within_bounds(scanned: dict[str, Any]) -> CheckOutcome:
+    """Check that every box side is within its split's bounds; report the extreme fractions."""
     worst, failures = {}, []
     for split, s in scanned["splits"].items():
         worst[f"{split}_fraction_min"], worst[f"{split}_fraction_max"] = s["fraction_min"], s["fraction_max"]
@@ -73,9 +78,11 @@ def boxes_within_bounds(scanned: dict[str, Any]) -> CheckOutcome:
 
 
 def classes_balanced(scanned: dict[str, Any], tolerance: float, balanced: dict[str, bool]) -> CheckOutcome:
-    """Every class present in every split (a failure); in splits where ``balanced`` says a balanced
-    subset was asked for, each class's share within ``tolerance`` of 1/num_classes (a failure),
-    elsewhere an imbalance is reported as a warning."""
+    """Check that every class is present in every split, and balanced where asked.
+
+    A missing class is a failure. In splits where ``balanced`` says a balanced subset was asked for, each class's
+    share must be within ``tolerance`` of 1/num_classes (a failure); elsewhere an imbalance is reported as a warning.
+    """
     num_classes = scanned["num_classes"]
     failures, warnings, meta = [], [], {}
     for split, s in scanned["splits"].items():
@@ -101,6 +108,7 @@ def classes_balanced(scanned: dict[str, Any], tolerance: float, balanced: dict[s
 
 
 def counts_match(scanned: dict[str, Any], expected: dict[str, int | None]) -> CheckOutcome:
+    """Check that each split's row count matches the config and ``dataset.json``."""
     failures, meta = [], {}
     for split, s in scanned["splits"].items():
         meta[f"num_{split}"] = s["num_rows"]
@@ -113,6 +121,7 @@ def counts_match(scanned: dict[str, Any], expected: dict[str, int | None]) -> Ch
 
 
 def images_readable(scanned: dict[str, Any]) -> CheckOutcome:
+    """Check that every referenced image was readable in the scan."""
     images = scanned["images"]
     if images["error"]:
         return CheckOutcome(False, images["error"], {"num_checked": images["num_checked"]})

@@ -25,9 +25,9 @@ def decode_png(data: bytes) -> np.ndarray:
 def preprocess(
     image: np.ndarray, box: Sequence[int], image_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The one preprocessing of training, evaluation and serving: (H, W, C) uint8 + a box in image
-    pixels -> ``(occluded, clean, mask)`` at ``image_size`` x ``image_size``.
+    """Preprocess an image for training, evaluation and serving alike; return ``(occluded, clean, mask)``.
 
+    The input is (H, W, C) uint8 + a box in image pixels; the outputs are at ``image_size`` x ``image_size``.
     The clean image is resized first (bilinear, antialiased), the mask nearest, and the box is blacked
     out after resizing, so its edges stay sharp (occluding first and resizing would blur them).
     ``clean`` and ``occluded`` are (3, S, S) in [0, 1] (grey is repeated to RGB), ``mask`` (1, S, S).
@@ -85,8 +85,11 @@ class OcclusionSamples(Dataset):
         return self.count
 
     def check_images(self) -> None:
-        """Open every row's image (memory-mapped, no decoding): a missing file or an index outside its
-        pack raises here, naming the manifest line, instead of mid-epoch in a worker."""
+        """Open every row's image (memory-mapped, no decoding).
+
+        A missing file or an index outside its pack raises here, naming the manifest line, instead of mid-epoch in a
+        worker.
+        """
         for i in range(self.count):
             self.images.images.get(self.images.rows[i], where=f"{self.images.manifest}:{i + 1}")
 
@@ -104,6 +107,7 @@ class OcclusionSamples(Dataset):
 
 
 def collate(samples: list[dict]) -> dict:
+    """Stack samples into a batch: the image tensors stacked, the labels a tensor, prompts and answers lists."""
     out = {k: torch.stack([s[k] for s in samples]) for k in ("occluded", "clean", "mask")}
     out["label_index"] = torch.tensor([s["label_index"] for s in samples])
     out["prompt"] = [s["prompt"] for s in samples]
@@ -112,4 +116,5 @@ def collate(samples: list[dict]) -> dict:
 
 
 def class_names(manifests_dir: Path) -> list[str]:
+    """Return the class names recorded in ``dataset.json`` under ``manifests_dir``."""
     return json.loads((Path(manifests_dir) / "dataset.json").read_text())["class_names"]

@@ -16,6 +16,8 @@ SPLITS = ("train", "val")
 
 @dataclasses.dataclass
 class SplitScan:
+    """What a scan of one token split found: sample and token counts, id range, sample lengths, and an error."""
+
     num_samples: int = 0
     num_tokens: int = 0
     min_id: int = int(np.iinfo(np.int64).max)
@@ -55,8 +57,10 @@ def scan_split(split_dir: Path) -> SplitScan:
 
 
 def scan(root: Path) -> dict[str, Any]:
-    """One read of the whole artifact: what every token check needs, as JSON (committed in the
-    artifact's manifest when built, so checks on a cache hit need not read the shards again)."""
+    """Read the whole artifact once; return what every token check needs, as JSON.
+
+    It is committed in the artifact's manifest when built, so checks on a cache hit need not read the shards again.
+    """
     summary = json.loads((root / "tokens.json").read_text())
     splits = {}
     for split in SPLITS:
@@ -72,6 +76,7 @@ def scan(root: Path) -> dict[str, Any]:
 
 
 def ids_within_vocab(scanned: dict[str, Any]) -> CheckOutcome:
+    """Check that every split's token ids lie within ``[0, vocab_size)``."""
     vocab = scanned["vocab_size"]
     failures, meta = [], {"vocab_size": vocab}
     for split, s in scanned["splits"].items():
@@ -85,6 +90,7 @@ def ids_within_vocab(scanned: dict[str, Any]) -> CheckOutcome:
 
 
 def counts_match(scanned: dict[str, Any]) -> CheckOutcome:
+    """Check that each split's sample and token counts match what ``tokens.json`` reports."""
     failures, meta = [], {}
     for split, s in scanned["splits"].items():
         if s["error"]:
@@ -103,6 +109,7 @@ def counts_match(scanned: dict[str, Any]) -> CheckOutcome:
 
 
 def shards_readable(scanned: dict[str, Any]) -> CheckOutcome:
+    """Check that every shard of every split decodes."""
     failures, meta = [], {}
     for split, s in scanned["splits"].items():
         if s["error"]:

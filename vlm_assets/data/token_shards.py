@@ -61,8 +61,10 @@ def _byte_decoder() -> dict[int, int]:
 
 
 def gpt2_batch_encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
-    """A batch encoder giving the HF GPT-2 tokenizer's ids, through tiktoken when it can
-    (``_tiktoken_encoding``), else the HF fast tokenizer (batched)."""
+    """Return a batch encoder giving the HF GPT-2 tokenizer's ids.
+
+    It goes through tiktoken when it can (``_tiktoken_encoding``), else the HF fast tokenizer (batched).
+    """
     return _batch_encoder(tokenizer, _tiktoken_encoding(tokenizer))
 
 
@@ -270,9 +272,11 @@ def write_token_shards(
     log: Callable[[str], None] | None = None,
     chunk: bool = False,
 ) -> dict[str, Any]:
-    """Tokenize, pack and write both splits into ``out_dir``; returns the ``tokens.json`` summary.
-    ``chunk``: one chunk of a larger corpus (``vlm_assets.data.token_chunks``): a split without
-    documents is written empty, not refused, and the tokenizer is left to the merge."""
+    """Tokenize, pack and write both splits into ``out_dir``; return the ``tokens.json`` summary.
+
+    ``chunk``: one chunk of a larger corpus (``vlm_assets.data.token_chunks``): a split without documents is
+    written empty, not refused, and the tokenizer is left to the merge.
+    """
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2, got {max_length}")
     summary: dict[str, Any] = {

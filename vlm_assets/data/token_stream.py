@@ -79,6 +79,8 @@ def token_summary(uri: str, cache_dir: str | Path | None) -> dict | None:
 
 @dataclasses.dataclass
 class TokenLoaders:
+    """The train and val loaders over a ``token_shards`` artifact, with its sample length and vocabulary size."""
+
     train: DataLoader
     val: DataLoader
     max_length: int
@@ -114,8 +116,10 @@ def _download_summary(uri: str, target: Path) -> None:
 
 
 def reference_batch(uri: str, num_samples: int, cache_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The first ``num_samples`` validation samples, by index (the same on every rank and process):
-    the batch on which the trainer and the asset check compare losses."""
+    """Return the first ``num_samples`` validation samples, by index, as one batch.
+
+    It is the same on every rank and process: the batch on which the trainer and the asset check compare losses.
+    """
     dataset = token_dataset(uri, "val", cache_dir=cache_dir, batch_size=num_samples)
     if dataset.num_samples < num_samples:
         raise ValueError(f"{uri}: the val split has {dataset.num_samples} samples, fewer than {num_samples}")

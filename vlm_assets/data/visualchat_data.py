@@ -35,6 +35,8 @@ DEFAULT_SYSTEM = "You are a helpful assistant that answers questions about image
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
+    """One rendered record: its token ids, its labels and its image files."""
+
     ids: list[int]
     labels: list[int]
     images: list[str]
@@ -53,8 +55,10 @@ def render(
     *,
     open_answer: bool = False,
 ) -> Sample:
-    """Token ids and labels of a record in the template (labels on the answers and their <eos> only);
-    ``open_answer`` ends with the assistant's header, for the model to continue."""
+    """Return the token ids and labels of a record in the template (labels on the answers and their <eos> only).
+
+    ``open_answer`` ends with the assistant's header, for the model to continue.
+    """
     ids: list[int] = []
     labels: list[int] = []
 
@@ -122,10 +126,13 @@ TRAIN_PHRASINGS = (
 
 
 def manifest_records(root: Path, split: str, *, pairs: int = 0, phrased: int = 0, seed: int = 0) -> list[ChatRecord]:
-    """Each clean image as VQA (the manifest row's own prompt, the question the occlusion adapter's
-    backbone is asked, -> class name), then ``pairs`` two-image, two-round conversations ("Which of these
-    is a <class>?" -> "Image N", then "And the other one?" -> its class), then ``phrased`` one-image
-    records asked one of ``TRAIN_PHRASINGS`` (seeded images and phrasings)."""
+    """Return the chat records of a split of an occlusion dataset.
+
+    Each clean image comes as VQA (the manifest row's own prompt, the question the occlusion adapter's backbone is
+    asked, -> class name), then ``pairs`` two-image, two-round conversations ("Which of these is a <class>?" ->
+    "Image N", then "And the other one?" -> its class), then ``phrased`` one-image records asked one of
+    ``TRAIN_PHRASINGS`` (seeded images and phrasings).
+    """
     images = root / "images" / f"{split}.npy"
     rows = [json.loads(line) for line in (root / f"{split}.jsonl").read_text().splitlines()]
     records = []
@@ -271,8 +278,10 @@ def to_pixels(image, size: int) -> torch.Tensor:
 
 
 def collate(rows: Sequence[Sequence[Sample]], pad_id: int, image_size: int) -> dict[str, torch.Tensor]:
-    """A batch of rows, each one or more packed samples: ids, labels, segments (0 = padding), restarted
-    position ids and every image in order."""
+    """Return a batch of rows, each one or more packed samples.
+
+    The batch holds ids, labels, segments (0 = padding), restarted position ids and every image in order.
+    """
     width = max(sum(len(s.ids) for s in row) for row in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)

@@ -21,10 +21,12 @@ CONDITIONS = ("adapter", "identity", "clean")
 
 
 def exact_match(prediction: str, label: str) -> bool:
+    """Return whether ``prediction`` equals ``label`` once both are normalized."""
     return normalize_answer(prediction) == normalize_answer(label)
 
 
 def lenient_match(prediction: str, label: str) -> bool:
+    """Return whether the normalized ``label`` appears as whole words in the normalized ``prediction``."""
     predicted, wanted = normalize_answer(prediction).split(), normalize_answer(label).split()
     n = len(wanted)
     return any(predicted[i : i + n] == wanted for i in range(len(predicted) - n + 1)) if n else False
@@ -32,32 +34,36 @@ def lenient_match(prediction: str, label: str) -> bool:
 
 @dataclasses.dataclass
 class EvalResult:
+    """The answers of an evaluation under each condition, with the true labels and class names."""
+
     class_names: list[str]
     labels: list[int]
     predictions: dict[str, list[str]]  # condition -> decoded answers
 
     def hits(self, condition: str, lenient: bool = False) -> list[bool]:
-        """Per image: did ``condition``'s answer match the label."""
+        """Return, per image, whether ``condition``'s answer matched the label."""
         match = lenient_match if lenient else exact_match
         return [match(p, self.class_names[y]) for p, y in zip(self.predictions[condition], self.labels)]
 
     def accuracy(self, condition: str, lenient: bool = False) -> float:
+        """Return ``condition``'s exact (or lenient) accuracy; 0 without images."""
         hits = self.hits(condition, lenient)
         return float(np.mean(hits)) if hits else 0.0
 
     def predicted_index(self, condition: str) -> list[int]:
-        """Class index of each prediction; ``len(class_names)`` for an answer that is no class."""
+        """Return the class index of each prediction; ``len(class_names)`` for an answer that is no class."""
         lookup = {normalize_answer(name): i for i, name in enumerate(self.class_names)}
         return [lookup.get(normalize_answer(p), len(self.class_names)) for p in self.predictions[condition]]
 
     def confusion(self, condition: str) -> np.ndarray:
-        """(classes) x (classes + 1 "other") counts: rows true, columns predicted."""
+        """Return the (classes) x (classes + 1 "other") counts: rows true, columns predicted."""
         matrix = np.zeros((len(self.class_names), len(self.class_names) + 1), dtype=np.int64)
         for y, p in zip(self.labels, self.predicted_index(condition)):
             matrix[y, p] += 1
         return matrix
 
     def per_class(self, condition: str) -> list[float]:
+        """Return ``condition``'s accuracy on each true class (NaN for a class with no images)."""
         matrix = self.confusion(condition)
         return [
             float(matrix[c, c] / matrix[c].sum()) if matrix[c].sum() else float("nan")
@@ -65,8 +71,10 @@ class EvalResult:
         ]
 
     def summary(self) -> dict[str, float]:
-        """Accuracies with their 95 % Wilson intervals, and the adapter's paired gain over the identity on
-        the same images: 95 % paired-bootstrap interval, exact McNemar p-value, wins and losses."""
+        """Return the accuracies with their 95 % Wilson intervals, and the adapter's paired gain over the identity.
+
+        The gain is measured on the same images: 95 % paired-bootstrap interval, exact McNemar p-value, wins and losses.
+        """
         out: dict[str, float] = {"num_samples": len(self.labels), "chance": 1 / len(self.class_names)}
         for condition in CONDITIONS:
             hits = self.hits(condition)

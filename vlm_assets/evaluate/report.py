@@ -25,12 +25,15 @@ def _png(fig) -> bytes:
 
 
 def data_uri(png: bytes) -> str:
+    """Return a PNG as a ``data:`` URI."""
     return f"data:image/png;base64,{base64.b64encode(png).decode()}"
 
 
 def loss_curve_png(history: dict, uniform_loss: float, title: str, baseline_label: str | None = None) -> bytes:
-    """A trainer's loss curves (what people look at instead of reading metric tables): train loss per
-    optimizer step, val loss per validation, and a baseline (by default the uniform predictor's)."""
+    """Plot a trainer's loss curves as a PNG: what people look at instead of reading metric tables.
+
+    Train loss per optimizer step, val loss per validation, and a baseline (by default the uniform predictor's).
+    """
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     train, val = history["train"], history["val"]
     ax.plot([p["step"] for p in train], [p["loss"] for p in train], label="train", linewidth=1)
@@ -51,6 +54,7 @@ def loss_curve_png(history: dict, uniform_loss: float, title: str, baseline_labe
 
 
 def loss_curves_png(epochs: list[dict]) -> bytes:
+    """Plot the adapter trainer's per-epoch losses (total and language-model, train and val) as a PNG."""
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     x = [e["epoch"] + 1 for e in epochs]
     for key, style in (
@@ -69,6 +73,7 @@ def loss_curves_png(epochs: list[dict]) -> bytes:
 
 
 def accuracy_png(summary: dict[str, float]) -> bytes:
+    """Plot the exact and lenient accuracy of each condition (identity, adapter, clean) as a PNG bar chart."""
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     names = ["identity (occluded)", "adapter (occluded)", "clean"]
     keys = ["identity", "adapter", "clean"]
@@ -92,6 +97,7 @@ def accuracy_png(summary: dict[str, float]) -> bytes:
 
 
 def confusion_png(result: EvalResult, condition: str = "adapter") -> bytes:
+    """Plot ``condition``'s confusion matrix (true classes by predicted classes and "other") as a PNG."""
     matrix = result.confusion(condition)
     fig, ax = plt.subplots(figsize=(6.5, 5.5), dpi=100)
     ax.imshow(matrix, cmap="Blues")
@@ -133,6 +139,7 @@ def gain_sentence(summary: dict[str, float]) -> str:
 
 
 def markdown_table(summary: dict[str, float]) -> str:
+    """Return the accuracy of each condition as a Markdown table, followed by the adapter's gain."""
     rows = ["| condition | exact match | 95% CI (Wilson) | lenient match |", "|---|---:|---:|---:|"]
     for c in CONDITIONS:
         rows.append(
@@ -193,9 +200,11 @@ border:1px solid #ddd;width:310px;vertical-align:top}} .card img{{margin:2px}} .
 
 
 def write_report(staging: Path, result: EvalResult, data, adapter, epochs: list[dict], num_cards: int) -> dict:
-    """``report.html`` (its first ``num_cards`` images of ``data`` as prediction cards), ``eval.json`` (the
-    summary, its intervals as ``<name>_ci95: [low, high]``, per-class accuracy, the adapter's confusion)
-    and ``predictions.jsonl`` into ``staging``; returns the summary."""
+    """Write ``report.html``, ``eval.json`` and ``predictions.jsonl`` into ``staging``; return the summary.
+
+    ``report.html`` shows its first ``num_cards`` images of ``data`` as prediction cards; ``eval.json`` holds the
+    summary, its intervals as ``<name>_ci95: [low, high]``, per-class accuracy and the adapter's confusion.
+    """
     summary = result.summary()
     cards = []
     with torch.no_grad():

@@ -60,8 +60,11 @@ class PairedGain:
 
 
 def paired_gain(a: Sequence[bool], b: Sequence[bool], *, resamples: int = 10_000, seed: int = 0) -> PairedGain:
-    """The paired gain of A over B from per-item correctness, with a 95 % paired-bootstrap interval
-    (items resampled with replacement, both systems together) and the exact McNemar p-value."""
+    """Return the paired gain of A over B from per-item correctness.
+
+    It comes with a 95 % paired-bootstrap interval (items resampled with replacement, both systems together) and
+    the exact McNemar p-value.
+    """
     a, b = np.asarray(a, dtype=bool), np.asarray(b, dtype=bool)
     if a.shape != b.shape or a.ndim != 1:
         raise ValueError(f"paired scores need two equal-length lists, got {a.shape} and {b.shape}")

@@ -39,9 +39,12 @@ def vqa_exact_match(
     count: int | None = None,
     questions: tuple[str, ...] | None = None,
 ) -> dict:
-    """Exact match (normalised as the adapter's eval does) of the answers on the first ``count`` images of
-    ``split``, with the 95 % Wilson interval and the predictions. Each image is asked the manifest's prompt,
-    or with ``questions`` image ``i`` is asked ``questions[i % len(questions)]`` (each asked about as often)."""
+    """Return the exact match of the answers on the first ``count`` images of ``split``, with its interval.
+
+    Answers are normalised as the adapter's eval does; the result carries the 95 % Wilson interval and the
+    predictions. Each image is asked the manifest's prompt, or with ``questions`` image ``i`` is asked
+    ``questions[i % len(questions)]`` (each asked about as often).
+    """
     records = [r for r in vd.manifest_records(manifests, split) if len(r.images) == 1][:count]
     predictions = []
     for start in range(0, len(records), DECODE_BATCH):
@@ -77,8 +80,10 @@ def vqa_exact_match(
 
 
 def vqa_report(model: VisualChatModel, manifests: Path, split: str, count: int | None = None) -> dict:
-    """VQA exact match asked the training template's prompt and asked held-out phrasings, each with its
-    interval, on the same images."""
+    """Return the VQA exact match asked the training template's prompt and asked held-out phrasings.
+
+    Each comes with its interval, on the same images.
+    """
     template = vqa_exact_match(model, manifests, split, count)
     phrased = vqa_exact_match(model, manifests, split, count, questions=HELD_OUT_PHRASINGS)
     return {"chance": template["chance"], "vqa": {"template": template, "held_out_phrasings": phrased}}
@@ -119,9 +124,11 @@ def conversation_markdown(messages: list[dict]) -> str:
 
 
 def evaluate_export(model_dir: Path, manifests: Path, count: int, out: Path, log: Callable[[str], None]) -> dict:
-    """VQA exact match of the exported model on held-out validation images (asked the template's prompt,
-    and held-out phrasings), and a two-image, two-round conversation, written to ``out``; returns the numbers
-    a model's metrics carry."""
+    """Evaluate the exported model; write the results to ``out`` and return the numbers a model's metrics carry.
+
+    The evaluation is the VQA exact match on held-out validation images (asked the template's prompt, and held-out
+    phrasings), and a two-image, two-round conversation.
+    """
     model = VisualChatModel.from_pretrained(model_dir)
     result = vqa_report(model, manifests, "validation", count)
     result["conversation"] = two_image_conversation(model, manifests)

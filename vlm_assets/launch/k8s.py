@@ -209,15 +209,21 @@ class Launch:
         self.width = len(str(spec.num_nodes - 1))
 
     def pod_name(self, index: int) -> str:
+        """Return the name of node ``index``'s pod."""
         return f"{self.name}-{index:0{self.width}d}"
 
     def rendezvous_host(self) -> str:
+        """Return the host name of the c10d rendezvous: the configured one, else pod 0's DNS name under the Service."""
         if self.settings.rendezvous_host:
             return self.settings.rendezvous_host
         pod0 = f"{self.name}-0" if self.settings.mode == "indexed_job" else self.pod_name(0)
         return f"{pod0}.{self.name}.{self.settings.namespace}.svc.{self.settings.cluster_domain}"
 
     def command(self, is_host: bool | None) -> list[str]:
+        """Return the ``torchrun`` command line a node's container runs.
+
+        ``is_host`` marks the rendezvous host (node 0) when known; None (an Indexed Job's one template) leaves it out.
+        """
         spec, s = self.spec, self.settings
         host = "" if is_host is None else f",is_host={'true' if is_host else 'false'}"
         return [
@@ -258,6 +264,7 @@ class Launch:
         return {"requests": dict(requests), "limits": dict(requests)} if requests else {}
 
     def pod_spec(self, index: int | None) -> dict[str, Any]:
+        """Return the pod spec of node ``index`` (None: the Indexed Job's pod template)."""
         s, spec = self.settings, self.spec
         gpus = int(spec.resources.get("nvidia.com/gpu", "0"))
         mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
@@ -307,6 +314,7 @@ class Launch:
         return pod
 
     def service(self) -> dict[str, Any]:
+        """Return the manifest of the headless Service the nodes rendezvous through."""
         return {
             "apiVersion": "v1",
             "kind": "Service",
@@ -326,6 +334,7 @@ class Launch:
         }
 
     def pods(self) -> list[dict[str, Any]]:
+        """Return the manifests of one pod per node."""
         return [
             {
                 "apiVersion": "v1",
@@ -341,6 +350,7 @@ class Launch:
         ]
 
     def indexed_job(self) -> dict[str, Any]:
+        """Return the manifest of one Indexed Job with a pod per node."""
         n = self.spec.num_nodes
         return {
             "apiVersion": "batch/v1",
@@ -378,9 +388,11 @@ def api_client(settings: PodSettings):
 
 
 def check_access(api, settings: PodSettings) -> None:
-    """Refuse to start (``PermissionError`` listing what is missing) unless this identity may do all a
-    launch needs in the namespace: a launch that could create pods but not read their logs would
-    train blind, and one that could not delete them would leave them behind."""
+    """Refuse to start (``PermissionError`` listing what is missing) unless this identity may do all a launch needs.
+
+    The check is in the namespace: a launch that could create pods but not read their logs would train blind, and
+    one that could not delete them would leave them behind.
+    """
     from kubernetes import client
 
     auth = client.AuthorizationV1Api(api)
@@ -433,7 +445,9 @@ def run_k8s(
     canceled: Callable[[], bool] | None = None,
 ) -> None:
     """Run ``spec`` as pods; return when every node succeeded; raise ``LaunchFailed`` otherwise.
-    ``on_line(node, line)`` gets every pod's log lines as they come. Deletes what it created."""
+
+    ``on_line(node, line)`` gets every pod's log lines as they come. Deletes what it created.
+    """
     from kubernetes import client
 
     api = api or api_client(settings)
@@ -692,11 +706,13 @@ def delete_selected(core, batch, namespace: str, selector: str, wait_s: float = 
 def delete_orphans(
     core, batch, namespace: str, run_is_live: Callable[[str], bool], step: tuple[str, str] | None = None
 ) -> list[str]:
-    """Delete the launcher objects of Dagster runs that are no longer live (a step process killed
-    before it could clean up), and with ``step`` (run id, step name) those of an earlier attempt of
-    that step (Dagster runs one attempt of a step at a time, so any there are a killed attempt's, whose
-    pods would train on beside the new ones): run at every launch's start. Objects without a run label
-    are kept."""
+    """Delete the launcher objects of Dagster runs that are no longer live; return their names.
+
+    Such objects were left by a step process killed before it could clean up. With ``step`` (run id, step name) it
+    also deletes those of an earlier attempt of that step (Dagster runs one attempt of a step at a time, so any
+    there are a killed attempt's, whose pods would train on beside the new ones). Run at every launch's start.
+    Objects without a run label are kept.
+    """
     selector = f"app.kubernetes.io/managed-by={MANAGED_BY}"
     runs = set()
     for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:

@@ -30,8 +30,10 @@ PARENT_ENV = "VLM_ASSETS_LIFELINE_PARENT"
 
 
 def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> None:
-    """Have the kernel send ``sig`` to this process when its parent ends; if the parent is gone
-    already (it died before this call), end now."""
+    """Have the kernel send ``sig`` to this process when its parent ends.
+
+    If the parent is gone already (it died before this call), end now. Does nothing off Linux.
+    """
     if not sys.platform.startswith("linux"):
         return  # prctl is Linux-only; elsewhere the launcher's cleanup is all there is
     parent = os.getppid() if expected_parent is None else expected_parent
@@ -53,6 +55,10 @@ def worker_entry(module: str) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
+    """Run ``--exec ARGV...`` or ``--module MODULE ARGS...`` so that it dies with its parent process.
+
+    ``--exec`` replaces this process with Python running ``ARGV``; ``--module`` runs ``MODULE`` in this process.
+    """
     if len(argv) < 2 or argv[0] not in ("--exec", "--module"):
         raise SystemExit("usage: python -m vlm_assets.launch.lifeline --exec ARGV... | --module MODULE ARGS...")
     expected = os.environ.get(PARENT_ENV)

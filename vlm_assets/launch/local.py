@@ -49,12 +49,14 @@ class LaunchFailed(RuntimeError):
 
     @property
     def rule(self) -> Rule:
+        """The retry rule this failure falls under (``retry.rule_for``)."""
         return rule_for(
             cause=self.cause, exit_code=self.exit_code, worker_exit_code=self.worker_exit_code, tail=self.tail
         )
 
     @property
     def retryable(self) -> bool:
+        """Whether the orchestrator should retry this failure."""
         return self.rule.retry
 
     def __str__(self) -> str:
@@ -68,6 +70,7 @@ class LaunchFailed(RuntimeError):
 
 
 def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -101,8 +104,11 @@ def run_local(
     env: Mapping[str, str] | None = None,
     canceled: Callable[[], bool] | None = None,
 ) -> None:
-    """Run ``spec`` to completion on this machine; raise ``LaunchFailed`` if any node fails, it times
-    out, or ``canceled()`` (asked every ``CANCEL_POLL_S``) says its run was canceled."""
+    """Run ``spec`` to completion on this machine.
+
+    Raise ``LaunchFailed`` if any node fails, it times out, or ``canceled()`` (asked every ``CANCEL_POLL_S``)
+    says its run was canceled.
+    """
     from torch.distributed import TCPStore
 
     port = free_port()
@@ -228,8 +234,11 @@ def _children() -> dict[int, list[int]]:
 
 
 def training_processes(module: str, marker: str) -> dict[str, list[int]]:
-    """PIDs of live torchrun agents (``agent``) and training workers (``worker``) of ``module`` whose
-    command line holds ``marker`` (a run's scratch path, say), from Linux ``/proc``."""
+    """Return the PIDs of live torchrun agents (``agent``) and training workers (``worker``) of ``module``.
+
+    Only processes whose command line holds ``marker`` (a run's scratch path, say) count; they are read from
+    Linux ``/proc``.
+    """
     found: dict[str, list[int]] = {"agent": [], "worker": []}
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:

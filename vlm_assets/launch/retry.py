@@ -17,6 +17,8 @@ from vlm_assets.launch.spec import BAD_INPUT_EXIT
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
+    """How a launch that failed for one cause is handled: its cause, whether it is retried, and how it is recognised."""
+
     cause: str
     retry: bool
     seen_as: str  # how a launcher recognises it (docs/reliability.md's table is these rows)
@@ -79,8 +81,11 @@ _PATTERNS = (
 
 
 def rule_for(*, cause: str | None, exit_code: int | None, worker_exit_code: int | None, tail: list[str]) -> Rule:
-    """The rule of one failed launch. ``cause`` is what the launcher saw itself (one of ``RULES``) or
-    None; a worker's exit code comes first, then the agent's, then the last lines."""
+    """Return the rule of one failed launch.
+
+    ``cause`` is what the launcher saw itself (one of ``RULES``) or None; a worker's exit code comes first, then
+    the agent's, then the last lines.
+    """
     if cause is not None:
         return RULES[cause]
     if worker_exit_code == BAD_INPUT_EXIT:

@@ -25,8 +25,10 @@ class InputRefused(Exception):
 
 @contextlib.contextmanager
 def exit_on_refused_input() -> Iterator[None]:
-    """Around a trainer's main: ``InputRefused`` becomes one ``BAD_INPUT`` line and exit code 65. Put it
-    outside the Pipes context, so the line comes after what that context prints on its way out."""
+    """Turn ``InputRefused`` around a trainer's main into one ``BAD_INPUT`` line and exit code 65.
+
+    Put it outside the Pipes context, so the line comes after what that context prints on its way out.
+    """
     try:
         yield
     except InputRefused as err:
@@ -66,4 +68,5 @@ class LaunchSpec:
 
     @property
     def world_size(self) -> int:
+        """The number of training processes: nodes times processes per node."""
         return self.num_nodes * self.nproc_per_node

@@ -22,7 +22,10 @@ from vlm_assets.data.occlusion_dataset import decode_png, preprocess
 
 
 class OcclusionAdapterPredictor(mlflow.pyfunc.PythonModel):
+    """The MLflow pyfunc serving an occlusion adapter: an image and a box in, the backbone's answer out."""
+
     def load_context(self, context) -> None:
+        """Load the backbone and the adapter from the model's artifacts."""
         from vlm_assets.models.occlusion_adapter import load_trained
 
         self.backbone, self.adapter, info = load_trained(context.artifacts["adapter"], context.artifacts["backbone"])
@@ -31,6 +34,7 @@ class OcclusionAdapterPredictor(mlflow.pyfunc.PythonModel):
     # A DataFrame hint: MLflow then validates against the signature logged with the model (a base64
     # PNG column and a box column, ``log_model``) instead of inferring one from the hint.
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
+        """Restore each occluded image with the adapter and return the backbone's answers."""
         triples = []
         for row, (image, box) in enumerate(zip(model_input["image"], model_input["box"])):
             pixels = decode_b64_image(image, row, "image", decode_png)
@@ -45,7 +49,7 @@ class OcclusionAdapterPredictor(mlflow.pyfunc.PythonModel):
 
 
 def bad_request(row: int, field: str, reason: str):
-    """What the scoring server answers with HTTP 400 (not a 500 and a traceback), naming the field."""
+    """Return the error the scoring server answers with HTTP 400 (not a 500 and a traceback), naming the field."""
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
@@ -53,7 +57,7 @@ def bad_request(row: int, field: str, reason: str):
 
 
 def decode_b64_image(value, row: int, field: str, decode):
-    """``decode(bytes)`` of a base64 image field; ``bad_request`` naming the row and field otherwise."""
+    """Return ``decode(bytes)`` of a base64 image field; raise ``bad_request`` naming the row and field otherwise."""
     try:
         data = base64.b64decode(value, validate=True)
     except (ValueError, TypeError) as err:
@@ -65,14 +69,17 @@ def decode_b64_image(value, row: int, field: str, decode):
 
 
 def png_b64(pixels: np.ndarray) -> str:
+    """Encode an image array as a base64 PNG."""
     buf = io.BytesIO()
     Image.fromarray(pixels.squeeze()).save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode()
 
 
 def log_model(run_id: str, root: Path, tracking_uri: str):
-    """Log the predictor of the adapter artifact ``root`` into the MLflow run ``run_id``; returns its
-    ``ModelInfo``. Its input example: a mid-grey PNG at the training size with a box in its middle."""
+    """Log the predictor of the adapter artifact ``root`` into the MLflow run ``run_id``; return its ``ModelInfo``.
+
+    Its input example: a mid-grey PNG at the training size with a box in its middle.
+    """
     from mlflow.models import ModelSignature
     from mlflow.types.schema import Array, ColSpec, Schema
 

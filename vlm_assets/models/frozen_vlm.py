@@ -29,16 +29,20 @@ def normalize_answer(text: str) -> str:
 
 
 class FrozenVLM(nn.Module, ABC):
+    """A frozen vision-language model the occlusion adapter trains against: answer loss and greedy answers."""
+
     @abstractmethod
     def loss(self, pixels: torch.Tensor, prompts: list[str], answers: list[str]) -> torch.Tensor:
-        """Mean cross-entropy of the answer tokens only (prompt and image tokens masked)."""
+        """Return the mean cross-entropy of the answer tokens only (prompt and image tokens masked)."""
 
     @abstractmethod
     def generate(self, pixels: torch.Tensor, prompts: list[str], max_new_tokens: int = 8) -> list[str]:
-        """Greedy answers, decoded."""
+        """Return greedy answers, decoded."""
 
 
 class QwenVLBackbone(FrozenVLM):
+    """A frozen Qwen2.5-VL model as the adapter's backbone."""
+
     def __init__(
         self,
         name_or_path: str,
@@ -74,6 +78,7 @@ class QwenVLBackbone(FrozenVLM):
         )
 
     def train(self, mode: bool = True):
+        """Set training mode but keep the model frozen (train mode only for gradient checkpointing); return self."""
         super().train(mode)
         # Frozen: eval mode even while the adapter trains (train mode only to let transformers
         # recompute activations, allowed above only for a backbone without dropout).
@@ -119,6 +124,7 @@ class QwenVLBackbone(FrozenVLM):
         return ids.to(device), mask.to(device), lab.to(device), packed, grid
 
     def loss(self, pixels, prompts, answers):
+        """Return the mean cross-entropy of the answer tokens only (prompt and image tokens masked)."""
         ids, mask, labels, packed, grid = self._batch(pixels, prompts, answers)
         return self.model(
             input_ids=ids, attention_mask=mask, pixel_values=packed, image_grid_thw=grid, labels=labels
@@ -126,6 +132,7 @@ class QwenVLBackbone(FrozenVLM):
 
     @torch.no_grad()
     def generate(self, pixels, prompts, max_new_tokens=8):
+        """Return greedy answers, decoded."""
         ids, mask, _, packed, grid = self._batch(pixels, prompts, left_pad=True)
         out = self.model.generate(
             input_ids=ids,
@@ -140,6 +147,8 @@ class QwenVLBackbone(FrozenVLM):
 
 
 class VisualChatBackbone(FrozenVLM):
+    """A frozen VisualChat model as the adapter's backbone."""
+
     def __init__(
         self,
         directory: str,
@@ -161,6 +170,7 @@ class VisualChatBackbone(FrozenVLM):
         self.tokenizer = self.model.tokenizer
 
     def train(self, mode: bool = True):
+        """Set training mode but keep the model in eval mode; return self."""
         super().train(mode)
         self.model.eval()  # frozen: eval mode even while the adapter trains
         return self
@@ -174,6 +184,7 @@ class VisualChatBackbone(FrozenVLM):
         return pixels.to(self.dtype)
 
     def loss(self, pixels, prompts, answers):
+        """Return the mean cross-entropy of the answer tokens only, each sample one image and one turn."""
         from vlm_assets.data import visualchat_data as vd
 
         if pixels.shape[0] != len(prompts) or len(answers) != len(prompts):
@@ -200,6 +211,7 @@ class VisualChatBackbone(FrozenVLM):
 
     @torch.no_grad()
     def generate(self, pixels, prompts, max_new_tokens=8):
+        """Return greedy answers, decoded, each prompt one turn about its image."""
         turns = [one_image_turn(prompt, None) for prompt in prompts]
         return self.model.replies(turns, self._pixels(pixels), max_new_tokens)
 
@@ -211,6 +223,7 @@ def one_image_turn(prompt: str, answer: str | None) -> list[dict]:
 
 
 def is_visualchat(name_or_path: str) -> bool:
+    """Return whether ``name_or_path`` is a directory holding a VisualChat model (``visualchat.json``)."""
     return (Path(name_or_path).expanduser() / "visualchat.json").is_file()
 
 

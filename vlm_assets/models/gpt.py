@@ -20,6 +20,8 @@ from vlm_assets.models.gpt_presets import PRESETS, GPTConfig, preset  # noqa: E4
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
@@ -29,6 +31,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the attention output for ``x`` (batch, sequence, width), each position attending to earlier ones."""
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
         q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
@@ -37,6 +40,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The block's feed-forward layer: 4x width, GELU (tanh), dropout."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
@@ -44,10 +49,13 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the feed-forward output for ``x``."""
         return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
 
 
 class Block(nn.Module):
+    """One pre-LayerNorm transformer block: causal self-attention, then the MLP, each residual."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
@@ -56,11 +64,14 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return ``x`` after the block's attention and MLP residual updates."""
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
+    """A GPT-2-style decoder with an output head tied to its token embedding."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
@@ -92,11 +103,15 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def num_params(self) -> int:
+        """Return the number of parameters (the tied head counted once)."""
         return sum(p.numel() for p in self.parameters())  # the tied head is counted once
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        """Logits over the real vocabulary (padding rows sliced off); with ``labels``, also the mean
-        next-token cross-entropy (labels shifted left by one here; ``-100`` positions ignored)."""
+        """Return the logits over the real vocabulary (padding rows sliced off), and the loss or None.
+
+        With ``labels``, the loss is the mean next-token cross-entropy (labels shifted left by one here; ``-100``
+        positions ignored).
+        """
         seq = input_ids.shape[1]
         if seq > self.config.block_size:
             raise ValueError(f"sequence length {seq} exceeds block_size {self.config.block_size}")

@@ -32,6 +32,7 @@ _SAME = {
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Rename a ``GPT`` state dict to Hugging Face ``GPT2LMHeadModel``'s, the padding rows dropped."""
     out = {
         "transformer.wte.weight": state["wte.weight"][: config.vocab_size],
         "transformer.wpe.weight": state["wpe.weight"],
@@ -88,8 +89,11 @@ def hf_loss(export_dir: Path, batch: dict[str, torch.Tensor]) -> float:
 
 
 def export_scan(root: Path, shards_uri: str) -> dict[str, float]:
-    """The export's loss on the trainer's fixed validation batch, loaded with ``transformers`` alone,
-    beside the trainer's own (``reference.json``): computed once when built, recorded in the manifest."""
+    """Return the export's loss on the trainer's fixed validation batch, beside the trainer's own.
+
+    The export is loaded with ``transformers`` alone; the trainer's loss is in ``reference.json``. Computed once
+    when built, recorded in the manifest.
+    """
     from vlm_assets.data.token_stream import reference_batch
     from vlm_assets.paths import runs_dir
     from vlm_assets.storage.scratch import held_dir

@@ -6,6 +6,8 @@ import math
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
+    """The shape of a ``GPT``: vocabulary, context length, depth, heads, width, dropout bias and vocabulary padding."""
+
     vocab_size: int = 50257  # GPT-2 BPE
     block_size: int = 1024  # longest sequence (position embeddings)
     n_layer: int = 12
@@ -25,6 +27,7 @@ class GPTConfig:
 
     @property
     def padded_vocab_size(self) -> int:
+        """The vocabulary size rounded up to a multiple of ``pad_vocab_to``: the embedding table's rows."""
         return math.ceil(self.vocab_size / self.pad_vocab_to) * self.pad_vocab_to
 
 

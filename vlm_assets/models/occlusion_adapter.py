@@ -21,6 +21,8 @@ NUM_PARAMETERS = 10_532
 
 
 class OcclusionAdapter(nn.Module):
+    """A small convolutional network restoring occluded pixels for the backbone, scaled by a learned gate."""
+
     def __init__(self, hidden: int = 32, gate_init: float = 0.10, steps: int = 1):
         super().__init__()
         if steps < 1:
@@ -38,7 +40,7 @@ class OcclusionAdapter(nn.Module):
         self.gate = nn.Parameter(torch.full((1,), float(gate_init)))
 
     def forward(self, pixels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``pixels`` (B, 3, H, W) in [0, 1], ``mask`` (B, 1, H, W) -> restored pixels (B, 3, H, W)."""
+        """Restore ``pixels`` (B, 3, H, W) in [0, 1] under ``mask`` (B, 1, H, W); return (B, 3, H, W)."""
         if pixels.ndim != 4 or pixels.shape[1] != 3:
             raise ValueError(f"pixels must be (batch, 3, height, width), got {tuple(pixels.shape)}")
         if mask.shape != (pixels.shape[0], 1, *pixels.shape[2:]):
@@ -53,8 +55,10 @@ class OcclusionAdapter(nn.Module):
 
 
 def load_adapter(weights: str | Path, info_file: str | Path) -> tuple[OcclusionAdapter, dict]:
-    """A trained adapter in eval mode from ``adapter.safetensors`` and its ``backbone.json`` (which also
-    records the backbone, its prompt and image size, and the adapter's ``steps``), and that record."""
+    """Load a trained adapter in eval mode from ``adapter.safetensors`` and its ``backbone.json``; return both.
+
+    The ``backbone.json`` record also names the backbone, its prompt and image size, and the adapter's ``steps``.
+    """
     from safetensors.torch import load_file
 
     info = json.loads(Path(info_file).read_text())
@@ -64,8 +68,11 @@ def load_adapter(weights: str | Path, info_file: str | Path) -> tuple[OcclusionA
 
 
 def load_trained(weights: str | Path, info_file: str | Path):
-    """(frozen backbone, adapter, its ``backbone.json`` record): ``load_adapter`` and the backbone it was
-    trained against, as the evaluation and the registered predictor both load them."""
+    """Return (frozen backbone, adapter, its ``backbone.json`` record).
+
+    That is ``load_adapter`` and the backbone it was trained against, as the evaluation and the registered
+    predictor both load them.
+    """
     from vlm_assets.models.frozen_vlm import load_backbone
 
     adapter, info = load_adapter(weights, info_file)

@@ -12,8 +12,10 @@ from vlm_assets.models.visualchat_spec import ProjectionKind
 
 
 def sincos_2d(height: int, width: int, dim: int) -> torch.Tensor:
-    """(height x width, dim) fixed 2-D sin-cos position embeddings (MAE's): half the channels encode the
-    row, half the column."""
+    """Return (height x width, dim) fixed 2-D sin-cos position embeddings (MAE's).
+
+    Half the channels encode the row, half the column.
+    """
     if dim % 4:
         raise ValueError(f"2-D sin-cos positions need a width divisible by 4, got {dim}")
     quarter = dim // 4
@@ -29,6 +31,8 @@ def sincos_2d(height: int, width: int, dim: int) -> torch.Tensor:
 
 
 class PerceiverProjection(nn.Module):
+    """A projection in which learned queries attend to the encoder's tokens (with 2-D positions)."""
+
     def __init__(self, in_dim: int, out_dim: int, num_tokens_in: int, num_queries: int, num_heads: int):
         super().__init__()
         side = math.isqrt(num_tokens_in)
@@ -41,6 +45,7 @@ class PerceiverProjection(nn.Module):
         self.norm = nn.LayerNorm(out_dim)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """Return ``num_queries`` tokens per image from the encoder's ``features``."""
         values = self.kv(features)
         keys = values + self.positions.to(values.dtype)
         queries = self.queries.to(values.dtype).expand(features.shape[0], -1, -1)
@@ -51,6 +56,7 @@ class PerceiverProjection(nn.Module):
 def build_projection(
     kind: ProjectionKind, in_dim: int, out_dim: int, *, num_tokens_in: int, num_queries: int, num_heads: int = 8
 ) -> nn.Module:
+    """Build the projection of this kind from encoder features to decoder embeddings: linear, MLP or perceiver."""
     if kind == "linear":
         return nn.Sequential(nn.Linear(in_dim, out_dim), nn.LayerNorm(out_dim))
     if kind == "mlp":

@@ -31,9 +31,11 @@ def serving_requirements() -> list[str]:
 
 
 def log_pyfunc(run_id: str, tracking_uri: str, code: Path, signature, example, artifacts: dict[str, str]):
-    """Log a pyfunc with MLflow's models-from-code (``code`` is the model's file: nothing pickled) into the
-    run ``run_id``, with its signature (the contract ``predict`` is held to), an input example and the
-    pinned serving requirements; returns its ``ModelInfo``."""
+    """Log a pyfunc with MLflow's models-from-code into the run ``run_id``; return its ``ModelInfo``.
+
+    ``code`` is the model's file: nothing pickled. The model is logged with its signature (the contract ``predict``
+    is held to), an input example and the pinned serving requirements.
+    """
     import mlflow
 
     mlflow.set_tracking_uri(tracking_uri)
@@ -50,6 +52,8 @@ def log_pyfunc(run_id: str, tracking_uri: str, code: Path, signature, example, a
 
 @dataclasses.dataclass(frozen=True)
 class Registration:
+    """The outcome of ``register_once``: the model's name, version and alias, and what was done."""
+
     name: str
     version: str
     alias: str
@@ -67,9 +71,11 @@ def combined_sha256(files: dict[str, dict], under: str = "") -> str:
 def register_once(
     client, name: str, alias: str, weights_sha256: str, log_model: Callable[[], Any], description: str
 ) -> Registration:
-    """Make ``name@alias`` point at the version holding these weights. ``log_model`` logs the model and
-    returns its ``mlflow.models.model.ModelInfo``; it is called only when no version with these
-    weights exists."""
+    """Make ``name@alias`` point at the version holding these weights, registering one only if none does.
+
+    ``log_model`` logs the model and returns its ``mlflow.models.model.ModelInfo``; it is called only when no
+    version with these weights exists.
+    """
     from mlflow.exceptions import MlflowException
 
     existing = client.search_model_versions(f"name = '{name}' and tags.{WEIGHTS_TAG} = '{weights_sha256}'")

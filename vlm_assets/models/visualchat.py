@@ -34,6 +34,8 @@ IMAGE_TOKEN = "<image>"
 
 
 class VisualChatModel(nn.Module):
+    """A vision encoder, a projection into the decoder's embeddings, and a causal language model decoder."""
+
     def __init__(
         self, encoder: VisionEncoder, projection: nn.Module, decoder: nn.Module, tokenizer, spec: VisualChatSpec
     ):
@@ -44,6 +46,7 @@ class VisualChatModel(nn.Module):
         self._feature_cache: dict[bytes, torch.Tensor] | None = None
 
     def train(self, mode: bool = True) -> "VisualChatModel":
+        """Set training mode, but keep a frozen encoder in eval mode; return the model."""
         super().train(mode)
         if not self._encoder_trains():
             self.encoder.eval()  # frozen: fixed batch-norm statistics and no dropout, in training too
@@ -53,8 +56,10 @@ class VisualChatModel(nn.Module):
         return any(p.requires_grad for p in self.encoder.parameters())
 
     def cache_image_features(self) -> None:
-        """Keep each image's encoder features after computing them once (the encoder must be frozen):
-        a frozen encoder gives the same features every epoch, and on a CPU it is most of a step."""
+        """Keep each image's encoder features after computing them once (the encoder must be frozen).
+
+        A frozen encoder gives the same features every epoch, and on a CPU it is most of a step.
+        """
         if self._encoder_trains():
             raise ValueError("image features can only be cached for a frozen encoder (freeze_modules: encoder)")
         self._feature_cache = {}
@@ -73,9 +78,11 @@ class VisualChatModel(nn.Module):
 
     @classmethod
     def from_parts(cls, config: VisualChatModelConfig, encoder, decoder, tokenizer) -> "VisualChatModel":
-        """A new model of an encoder, a decoder and its tokenizer already in memory (``build``'s, or parts
-        a benchmark initialised on a GPU): ``<image>`` added, the projection at its initialisation, on the
-        decoder's device and dtype."""
+        """Build a new model of an encoder, a decoder and its tokenizer already in memory.
+
+        The parts are ``build``'s, or parts a benchmark initialised on a GPU: ``<image>`` is added, the projection is at
+        its initialisation, on the decoder's device and dtype.
+        """
         tokenizer.add_special_tokens({"extra_special_tokens": [IMAGE_TOKEN]})
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -113,6 +120,7 @@ class VisualChatModel(nn.Module):
         return cls(encoder, projection, decoder, tokenizer, spec)
 
     def save_pretrained(self, directory: str | Path) -> Path:
+        """Save the encoder, projection, decoder, tokenizer and spec in ``directory``; return it."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
@@ -134,6 +142,7 @@ class VisualChatModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> "VisualChatModel":
+        """Load a model saved by ``save_pretrained`` from ``directory``."""
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -194,10 +203,12 @@ class VisualChatModel(nn.Module):
         segments: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ):
-        """Decoder output. With ``labels``: ``.loss`` (mean over the unmasked answer tokens) and ``.logits``
-        at the positions followed by a label in some row only.
-        ``segments`` (B, T): packed-sample ids, 0 = padding (default: one sample per row, no padding);
-        ``position_ids`` restart per segment (default: 0..T-1)."""
+        """Return the decoder output.
+
+        With ``labels``: ``.loss`` (mean over the unmasked answer tokens) and ``.logits`` at the positions followed by
+        a label in some row only. ``segments`` (B, T): packed-sample ids, 0 = padding (default: one sample per row, no
+        padding); ``position_ids`` restart per segment (default: 0..T-1).
+        """
         if segments is None:
             segments = torch.ones_like(input_ids)
         if position_ids is None:
@@ -218,8 +229,11 @@ class VisualChatModel(nn.Module):
             return out
 
     def layout(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> Layout:
-        """The attention layout of a batch. A training step with gradient checkpointing holds it around
-        backward too (``attention_layout``): the recomputed forward runs there."""
+        """Return the attention layout of a batch.
+
+        A training step with gradient checkpointing holds it around backward too (``attention_layout``): the
+        recomputed forward runs there.
+        """
         return Layout(
             torch.ones_like(input_ids) if segments is None else segments, input_ids == self.image_token_id, self.mmca
         )
@@ -231,8 +245,10 @@ class VisualChatModel(nn.Module):
     def replies(
         self, conversations: list[list[dict]], pixels: torch.Tensor | None, max_new_tokens: int = 8
     ) -> list[str]:
-        """The greedy replies to several conversations at once; ``pixels`` holds every image part of the
-        first conversation, then of the second, and so on."""
+        """Return the greedy replies to several conversations at once.
+
+        ``pixels`` holds every image part of the first conversation, then of the second, and so on.
+        """
         from vlm_assets.data.visualchat_data import prompt_ids
 
         prompts = [prompt_ids(m, self.tokenizer, self.image_token_id, self.num_image_tokens) for m in conversations]
@@ -245,10 +261,12 @@ class VisualChatModel(nn.Module):
     def generate(
         self, prompts: list[list[int]], pixels: torch.Tensor | None, max_new_tokens: int = 8
     ) -> list[list[int]]:
-        """Greedy new token ids for a batch of prompts decoded together (left-padded, KV cache kept); a row
-        ends at the end-of-sequence token, the batch at ``max_new_tokens`` or the decoder's last position.
+        """Return greedy new token ids for a batch of prompts decoded together (left-padded, KV cache kept).
+
+        A row ends at the end-of-sequence token, the batch at ``max_new_tokens`` or the decoder's last position.
         ``pixels`` are the prompts' images in order. Padding is a segment of its own (id 0) that no token
-        attends to, so each row decodes as it would alone."""
+        attends to, so each row decodes as it would alone.
+        """
         from transformers import DynamicCache
 
         if not prompts:
@@ -301,8 +319,10 @@ class VisualChatModel(nn.Module):
         top_p: float = 1.0,
         generator: torch.Generator | None = None,
     ) -> Iterator[int]:
-        """New token ids one at a time (greedy at temperature 0, else nucleus sampling), KV cache kept;
-        stops at the end-of-sequence token, or at the decoder's last position."""
+        """Yield new token ids one at a time (greedy at temperature 0, else nucleus sampling), KV cache kept.
+
+        Stop at the end-of-sequence token, or at the decoder's last position.
+        """
         from transformers import DynamicCache
 
         ids = torch.tensor([input_ids])
@@ -324,8 +344,10 @@ class VisualChatModel(nn.Module):
 
 
 def decoder_positions(config) -> int | None:
-    """The most positions a decoder's config declares (GPT-2's learned table, Llama's
-    ``max_position_embeddings``), or None when it declares none."""
+    """Return the most positions a decoder's config declares, or None when it declares none.
+
+    GPT-2's learned table (``n_positions``), Llama's ``max_position_embeddings``.
+    """
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 

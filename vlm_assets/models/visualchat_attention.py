@@ -29,7 +29,9 @@ ATTENTION = "visualchat"
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Per key position (B, K): segment id (0 = padding) and whether the token is an image token.
-    Queries are the last Q key positions (Q = K in training; 1 per step when decoding with a cache)."""
+
+    Queries are the last Q key positions (Q = K in training; 1 per step when decoding with a cache).
+    """
 
     segments: torch.Tensor
     image: torch.Tensor
@@ -41,6 +43,7 @@ _LAYOUT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("visualc
 
 @contextlib.contextmanager
 def attention_layout(layout: Layout | None) -> Iterator[None]:
+    """Make ``layout`` the attention layout of the decoder's attention inside the block."""
     token = _LAYOUT.set(layout)
     try:
         yield
@@ -49,8 +52,10 @@ def attention_layout(layout: Layout | None) -> Iterator[None]:
 
 
 def allowed_keys(layout: Layout, num_queries: int) -> torch.Tensor:
-    """(B, Q, K) bool: causal and within the query's own segment (padding queries see themselves only,
-    so no row is empty)."""
+    """Return the (B, Q, K) bool mask of the keys each query may attend to.
+
+    Causal and within the query's own segment; padding queries see themselves only, so no row is empty.
+    """
     segments = layout.segments
     k = segments.shape[1]
     key_pos = torch.arange(k, device=segments.device)

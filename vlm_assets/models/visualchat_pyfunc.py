@@ -17,12 +17,16 @@ from PIL import Image
 
 
 class VisualChatPredictor(mlflow.pyfunc.PythonModel):
+    """The MLflow pyfunc serving a VisualChat model: a question and its images in, the reply out."""
+
     def load_context(self, context) -> None:
+        """Load the VisualChat model from the model's artifacts."""
         from vlm_assets.models.visualchat import VisualChatModel
 
         self.model = VisualChatModel.from_pretrained(context.artifacts["model"])
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
+        """Return the model's reply to each row's question about its base64 images."""
         from vlm_assets.data.visualchat_data import to_pixels
         from vlm_assets.models.adapter_pyfunc import bad_request, decode_b64_image
 
@@ -45,15 +49,17 @@ class VisualChatPredictor(mlflow.pyfunc.PythonModel):
 
 
 def example_png() -> str:
-    """A mid-grey 28 x 28 PNG, base64: the logged input example."""
+    """Return a mid-grey 28 x 28 PNG, base64: the logged input example."""
     from vlm_assets.models.adapter_pyfunc import png_b64
 
     return png_b64(np.full((28, 28, 3), 128, np.uint8))
 
 
 def log_model(run_id: str, root: Path, tracking_uri: str):
-    """Log the predictor of the VisualChat artifact ``root`` (its ``model/``) into the MLflow run
-    ``run_id``; returns its ``ModelInfo``."""
+    """Log the predictor of the VisualChat artifact ``root`` (its ``model/``) into the MLflow run ``run_id``.
+
+    Return its ``ModelInfo``.
+    """
     from mlflow.models import ModelSignature
     from mlflow.types.schema import Array, ColSpec, Schema
 

@@ -13,8 +13,11 @@ ProjectionKind = Literal["linear", "mlp", "perceiver"]
 
 
 class VisualChatModelConfig(BaseModel):
-    """What the model is made of. The trainer's config (``VisualChatTrainConfig``) inherits these fields:
-    one definition from the asset to the torchrun entry point."""
+    """What the model is made of.
+
+    The trainer's config (``VisualChatTrainConfig``) inherits these fields: one definition from the asset to the
+    torchrun entry point.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -63,8 +66,10 @@ class VisualChatSpec:
 
     @classmethod
     def read(cls, directory: str | Path) -> "VisualChatSpec":
-        """The spec of the model saved in ``directory``; FileNotFoundError when it holds none, ValueError
-        naming the file and the fields when it is not a spec."""
+        """Read the spec of the model saved in ``directory``.
+
+        Raise FileNotFoundError when it holds none, ValueError naming the file and the fields when it is not a spec.
+        """
         path = Path(directory) / SPEC_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{directory}: not a VisualChat model directory (no {SPEC_FILE})")
@@ -79,6 +84,7 @@ class VisualChatSpec:
         return cls(**data)
 
     def write(self, directory: str | Path) -> Path:
+        """Write the spec into ``directory``; return its path."""
         path = Path(directory) / SPEC_FILE
         path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
         return path

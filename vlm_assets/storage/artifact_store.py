@@ -44,6 +44,7 @@ class CorruptArtifactError(ValueError):
 
 
 def sha256_file(path: Path) -> str:
+    """Return the hex SHA-256 digest of the file at ``path``, read in chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -54,7 +55,9 @@ def sha256_file(path: Path) -> str:
 @dataclasses.dataclass(frozen=True)
 class ArtifactManifest:
     """What ``_COMPLETE.json`` records: files (relative path -> size, sha256) and metadata.
-    ``location``: where the files live below the key ("" = directly; S3 commits use the digest)."""
+
+    ``location``: where the files live below the key ("" = directly; S3 commits use the digest).
+    """
 
     key: str
     files: dict[str, dict[str, Any]]
@@ -63,23 +66,30 @@ class ArtifactManifest:
 
     @property
     def digest(self) -> str:
-        """Content hash of the whole artifact: the data version Dagster sees."""
+        """The content hash of the whole artifact: the data version Dagster sees."""
         lines = (f"{p}:{f['sha256']}" for p, f in sorted(self.files.items()))
         return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:24]
 
     @property
     def num_bytes(self) -> int:
+        """The total size of the artifact's files in bytes."""
         return sum(f["size"] for f in self.files.values())
 
     def to_json(self) -> str:
+        """Return the manifest as JSON text, keys sorted."""
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> ArtifactManifest:
+        """Parse a manifest from its JSON text."""
         return cls(**json.loads(text))
 
     @classmethod
     def of_directory(cls, key: str, root: Path, metadata: dict[str, Any]) -> ArtifactManifest:
+        """Build the manifest of the files under ``root`` (size and sha256 of each) for ``key``.
+
+        Raises ``ValueError`` if ``root`` is empty or holds a file named like the manifest.
+        """
         files = {}
         for path in sorted(p for p in root.rglob("*") if p.is_file()):
             rel = path.relative_to(root).as_posix()
@@ -106,11 +116,11 @@ class ArtifactStore(ABC):
 
     @abstractmethod
     def uri(self, key: str, location: str = "") -> str:
-        """Where the artifact's files live (a path or ``s3://`` URI)."""
+        """Return where the artifact's files live (a path or ``s3://`` URI)."""
 
     @abstractmethod
     def read_manifest(self, key: str) -> ArtifactManifest:
-        """The committed manifest; ``ArtifactNotFoundError`` if the key is not complete."""
+        """Return the committed manifest; raise ``ArtifactNotFoundError`` if the key is not complete."""
 
     @abstractmethod
     def _publish(self, key: str, staging: Path, manifest: ArtifactManifest) -> ArtifactManifest:
@@ -123,16 +133,18 @@ class ArtifactStore(ABC):
 
     @abstractmethod
     def local_path(self, key: str, cache_dir: Path | None = None) -> Path:
-        """A local directory with the artifact's verified files (downloaded if remote)."""
+        """Return a local directory with the artifact's verified files (downloaded if remote)."""
 
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove the artifact (manifest first, so it is never half-visible)."""
 
     def quick_verify(self, key: str) -> list[str]:
-        """Problems found without reading any content: each listed file present with its recorded
-        size (one stat or one listing, whatever the artifact's size). Empty when intact as far as
-        sizes tell; ``verify`` re-hashes everything."""
+        """List the problems found without reading any content; empty when intact as far as sizes tell.
+
+        Each listed file must be present with its recorded size (one stat or one listing, whatever the artifact's size).
+        ``verify`` re-hashes everything.
+        """
         manifest = self.read_manifest(key)
         sizes = self._listed_sizes(key, manifest)
         problems = []
@@ -144,24 +156,24 @@ class ArtifactStore(ABC):
         return problems
 
     def lease(self, key: str, holder: dict[str, Any], ttl_s: float, log: Callable[[str], None] | None = None) -> Lease:
-        """A lease on building ``key`` (see ``vlm_assets.storage.lease``)."""
+        """Return a lease on building ``key`` (see ``vlm_assets.storage.lease``)."""
         return Lease(self, key, holder, ttl_s, log)
 
     @abstractmethod
     def list_leases(self) -> list[LeaseState]:
-        """Every lease record in the store (its ``holder["key"]`` names the key)."""
+        """Return every lease record in the store (its ``holder["key"]`` names the key)."""
 
     @abstractmethod
     def lease_create(self, key: str, body: bytes) -> str | None:
-        """Create the lease record if absent: its token, or None if one exists."""
+        """Create the lease record if absent; return its token, or None if one exists."""
 
     @abstractmethod
     def lease_read(self, key: str) -> LeaseState | None:
-        """The lease record, its age and token; None if absent."""
+        """Return the lease record, its age and token; None if absent."""
 
     @abstractmethod
     def lease_renew(self, key: str, token: str) -> str | None:
-        """Mark the lease fresh if ``token`` still holds it: the new token, else None."""
+        """Mark the lease fresh if ``token`` still holds it; return the new token, else None."""
 
     @abstractmethod
     def lease_remove(self, key: str, token: str) -> None:
@@ -175,9 +187,10 @@ class ArtifactStore(ABC):
 
     @abstractmethod
     def list_complete(self, prefix: str) -> list[str]:
-        """Keys of the complete artifacts directly under ``prefix`` (e.g. a run's checkpoints), sorted."""
+        """Return the keys of the complete artifacts directly under ``prefix`` (e.g. a run's checkpoints), sorted."""
 
     def exists(self, key: str) -> bool:
+        """Return whether a complete artifact is committed under ``key``."""
         try:
             self.read_manifest(key)
         except ArtifactNotFoundError:
@@ -185,18 +198,21 @@ class ArtifactStore(ABC):
         return True
 
     def ref(self, key: str) -> ArtifactRef:
+        """Return an ``ArtifactRef`` to the artifact committed under ``key``."""
         manifest = self.read_manifest(key)
         return ArtifactRef(key, self.uri(key, manifest.location), manifest.digest, manifest.metadata)
 
     def commit(self, key: str, staging: Path, metadata: dict[str, Any]) -> ArtifactRef:
-        """Publish a finished staging directory under ``key`` atomically."""
+        """Publish a finished staging directory under ``key`` atomically; return a ref to what is committed."""
         manifest = self._publish(key, staging, ArtifactManifest.of_directory(key, staging, metadata))
         return ArtifactRef(key, self.uri(key, manifest.location), manifest.digest, manifest.metadata)
 
     @contextlib.contextmanager
     def staging_dir(self, key: str) -> Iterator[Path]:
-        """A scratch directory for building ``key``; removed on exit, whatever happens (``held_dir``:
-        also when this process is killed)."""
+        """Yield a scratch directory for building ``key``, removed on exit whatever happens.
+
+        ``held_dir`` removes it also when this process is killed.
+        """
         with held_dir(self._staging_root(), prefix=f"{key.replace('/', '-')}-") as tmp:
             yield tmp
 
@@ -223,9 +239,11 @@ class LocalArtifactStore(ArtifactStore):
         return str(staging)
 
     def uri(self, key: str, location: str = "") -> str:
+        """Return the artifact's directory under the store root."""
         return str(self._dir(key))
 
     def read_manifest(self, key: str) -> ArtifactManifest:
+        """Read the manifest committed in the key's directory; raise ``ArtifactNotFoundError`` if absent."""
         path = self._dir(key) / MANIFEST_NAME
         try:
             return ArtifactManifest.from_json(path.read_text())
@@ -275,10 +293,12 @@ class LocalArtifactStore(ArtifactStore):
             yield path
 
     def list_leases(self) -> list[LeaseState]:
+        """Return the state of every lease file under ``.leases``."""
         leases = (self.root / ".leases").glob("*.json")
         return [state for path in sorted(leases) if (state := self._lease_state(path)) is not None]
 
     def lease_create(self, key: str, body: bytes) -> str | None:
+        """Create the key's lease file exclusively; return its ``attempt`` id, or None if one exists."""
         with self._lease_guard(key) as path:
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -296,10 +316,12 @@ class LocalArtifactStore(ArtifactStore):
         return LeaseState(holder, max(0.0, time.time() - mtime), holder.get("attempt", ""))
 
     def lease_read(self, key: str) -> LeaseState | None:
+        """Return the key's lease state; None if absent."""
         with self._lease_guard(key) as path:
             return self._lease_state(path)
 
     def lease_renew(self, key: str, token: str) -> str | None:
+        """Touch the key's lease file if ``token`` still holds it; return ``token``, else None."""
         with self._lease_guard(key) as path:
             state = self._lease_state(path)
             if state is None or state.token != token:
@@ -308,20 +330,24 @@ class LocalArtifactStore(ArtifactStore):
             return token
 
     def lease_remove(self, key: str, token: str) -> None:
+        """Remove the key's lease file if ``token`` still holds it."""
         with self._lease_guard(key) as path:
             state = self._lease_state(path)
             if state is not None and state.token == token:
                 path.unlink()
 
     def local_path(self, key: str, cache_dir: Path | None = None) -> Path:
+        """Return the artifact's directory in the store, once its manifest is found."""
         self.read_manifest(key)
         return self._dir(key)
 
     def list_complete(self, prefix: str) -> list[str]:
+        """Return the keys of the complete artifacts directly under ``prefix``, sorted."""
         base = self._dir(prefix)
         return sorted(f"{prefix.strip('/')}/{p.parent.name}" for p in base.glob(f"*/{MANIFEST_NAME}"))
 
     def delete(self, key: str) -> None:
+        """Remove the artifact's directory, the manifest first."""
         target = self._dir(key)
         (target / MANIFEST_NAME).unlink(missing_ok=True)
         shutil.rmtree(target, ignore_errors=True)
@@ -339,6 +365,7 @@ def _flock(path: Path) -> Iterator[None]:
 
 
 def verify_files(root: Path, manifest: ArtifactManifest) -> None:
+    """Raise ``CorruptArtifactError`` naming the first file under ``root`` missing or differing from ``manifest``."""
     for rel, expected in manifest.files.items():
         path = root / rel
         if not path.is_file():

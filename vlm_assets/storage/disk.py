@@ -51,6 +51,7 @@ def _mib(n: int) -> str:
 
 
 def out_of_space(err: BaseException, path: Path) -> bool:
+    """Return whether ``err``, raised writing under ``path``, means the file system is full."""
     if isinstance(err, OSError) and err.errno is not None:
         return err.errno in OUT_OF_SPACE
     # torch's RuntimeError, or shutil.copytree's Error (an OSError that collects its files' errors)
@@ -59,8 +60,10 @@ def out_of_space(err: BaseException, path: Path) -> bool:
 
 @contextlib.contextmanager
 def space_checked(path: Path, what: str) -> Iterator[None]:
-    """Run a write of ``what`` under ``path``; if it runs out of space, raise ``DiskFullError`` naming
-    them and the file system (any other error passes through unchanged)."""
+    """Run a write of ``what`` under ``path``; raise ``DiskFullError`` if it runs out of space.
+
+    The error names ``what``, ``path`` and the file system; any other error passes through unchanged.
+    """
     try:
         yield
     except DiskFullError:
@@ -80,8 +83,10 @@ def space_checked(path: Path, what: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def staged_write(directory: Path, what: str) -> Iterator[None]:
-    """A write of ``what`` into the staging directory ``directory``: if it fails, the directory is
-    removed (nothing partial stays behind), and a full disk says so (``space_checked``)."""
+    """Run a write of ``what`` into the staging directory ``directory``; remove the directory if it fails.
+
+    Nothing partial stays behind, and a full disk says so (``space_checked``).
+    """
     try:
         with space_checked(directory, what):
             yield

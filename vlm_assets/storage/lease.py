@@ -28,15 +28,17 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class LeaseState:
-    """A lease as read from the store: the holder's record, its age, and the token for conditional
-    renewal/removal (S3 ETag; the local store uses the record's ``attempt`` id)."""
+    """A lease as read from the store: the holder's record, its age, and the token for conditional renewal/removal.
+
+    The token is the S3 ETag; the local store uses the record's ``attempt`` id.
+    """
 
     holder: dict[str, Any]
     age_s: float
     token: str
 
     def holder_dead_here(self) -> bool:
-        """The holder ran on this host and its process is gone: dead now, no need to wait for the ttl."""
+        """Return whether the holder ran on this host and its process is gone: dead now, no need to wait for the ttl."""
         if self.holder.get("host") != socket.gethostname() or not isinstance(self.holder.get("pid"), int):
             return False
         try:
@@ -48,9 +50,11 @@ class LeaseState:
         return False
 
     def expired(self, ttl_s: float) -> bool:
+        """Return whether the lease is older than ``ttl_s`` or its holder is dead on this host."""
         return self.age_s > ttl_s or self.holder_dead_here()
 
     def describe(self) -> str:
+        """Describe the holder for a message: its run, host, pid, start and last renewal."""
         h = self.holder
         return (
             f"run {h.get('run_id', '?')} on {h.get('host', '?')} (pid {h.get('pid', '?')}) since "
@@ -67,6 +71,7 @@ class LeaseLostError(RuntimeError):
 
 
 def holder_record(run_id: str, **extra: Any) -> dict[str, Any]:
+    """Return this process's lease holder record for ``run_id``: host, pid, start time, a new attempt id, ``extra``."""
     return {
         "run_id": run_id,
         "host": socket.gethostname(),
@@ -94,8 +99,10 @@ class Lease:
         self.taken_over: LeaseState | None = None  # the expired lease this attempt replaced, if any
 
     def try_acquire(self) -> LeaseState | None:
-        """Take the lease: None when taken (and renewed from now on), else the live holder's state.
-        An expired lease is removed first (its holder stopped renewing: it is dead or cut off)."""
+        """Take the lease; return None when taken (and renewed from now on), else the live holder's state.
+
+        An expired lease is removed first (its holder stopped renewing: it is dead or cut off).
+        """
         body = json.dumps({**self.holder, "key": self.key}).encode()
         for _ in range(3):
             token = self.backend.lease_create(self.key, body)
@@ -127,9 +134,11 @@ class Lease:
     def acquire_or_wait(
         self, done: Callable[[], bool], *, fail_at_once: bool, timeout_s: float, log: Callable[[str], None]
     ) -> bool:
-        """Take the lease, waiting while another live attempt holds it: True once taken, False as soon as
-        ``done()`` (the work it guards was completed by that attempt). ``LeaseHeldError`` names the holder
-        at once when ``fail_at_once``, else after ``timeout_s``."""
+        """Take the lease, waiting while another live attempt holds it; return True once taken.
+
+        Return False as soon as ``done()`` (the work it guards was completed by that attempt). ``LeaseHeldError``
+        names the holder at once when ``fail_at_once``, else after ``timeout_s``.
+        """
         deadline, said = time.monotonic() + timeout_s, False
         while (busy := self.try_acquire()) is not None:
             if done():
@@ -155,6 +164,7 @@ class Lease:
             )
 
     def release(self) -> None:
+        """Stop renewing the lease and remove it from the store, unless it was lost."""
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join()

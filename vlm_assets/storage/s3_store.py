@@ -36,6 +36,8 @@ def _precondition_failed(err: ClientError) -> bool:
 
 
 class S3ArtifactStore(ArtifactStore):
+    """An artifact store in an S3-compatible bucket, under ``prefix``."""
+
     def __init__(self, client: Any, bucket: str, prefix: str = "", cache_dir: str | os.PathLike[str] | None = None):
         """``client`` is a boto3 S3 client (with ``endpoint_url`` for non-AWS stores). ``cache_dir`` holds
         verified local copies for readers."""
@@ -61,12 +63,14 @@ class S3ArtifactStore(ArtifactStore):
         return "/".join(parts)
 
     def uri(self, key: str, location: str = "") -> str:
+        """Return the artifact's ``s3://`` URI (below ``location`` when given)."""
         return f"s3://{self.bucket}/{self._object_key(key, location)}"
 
     def _file_key(self, key: str, manifest: ArtifactManifest, rel: str) -> str:
         return self._object_key(key, f"{manifest.location}/{rel}" if manifest.location else rel)
 
     def read_manifest(self, key: str) -> ArtifactManifest:
+        """Read the committed manifest object; raise ``ArtifactNotFoundError`` if absent."""
         try:
             obj = self.client.get_object(Bucket=self.bucket, Key=self._object_key(key, MANIFEST_NAME))
         except self.client.exceptions.NoSuchKey:
@@ -114,6 +118,10 @@ class S3ArtifactStore(ArtifactStore):
         return {rel: sizes[rel] for rel in manifest.files if rel in sizes}
 
     def local_path(self, key: str, cache_dir: Path | None = None) -> Path:
+        """Return a local copy of the artifact under the cache directory, downloading and verifying it if needed.
+
+        The copy sits under its digest; a download is verified against the manifest before it is moved into place.
+        """
         manifest = self.read_manifest(key)
         root = Path(cache_dir or self.cache_dir)
         target = root / self.bucket / self._object_key(key) / manifest.digest
@@ -138,6 +146,7 @@ class S3ArtifactStore(ArtifactStore):
         return target
 
     def list_complete(self, prefix: str) -> list[str]:
+        """Return the keys of the complete artifacts directly under ``prefix``, sorted."""
         base = self._object_key(prefix) + "/"
         keys = []
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
@@ -148,6 +157,7 @@ class S3ArtifactStore(ArtifactStore):
         return sorted(keys)
 
     def delete(self, key: str) -> None:
+        """Delete the artifact's manifest object first, then every object under its key."""
         self.client.delete_object(Bucket=self.bucket, Key=self._object_key(key, MANIFEST_NAME))
         paginator = self.client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=self._object_key(key) + "/"):
@@ -159,6 +169,7 @@ class S3ArtifactStore(ArtifactStore):
         return self._object_key(".leases", key.strip("/").replace("/", "__") + ".json")
 
     def list_leases(self) -> list[LeaseState]:
+        """Return the state of every lease object under ``.leases``."""
         prefix, states = self._object_key(".leases") + "/", []
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
             for obj in page.get("Contents", []):
@@ -168,6 +179,7 @@ class S3ArtifactStore(ArtifactStore):
         return states
 
     def lease_create(self, key: str, body: bytes) -> str | None:
+        """Put the key's lease object only if absent; return its ETag, or None if one exists."""
         try:
             return self.client.put_object(Bucket=self.bucket, Key=self._lease_key(key), Body=body, IfNoneMatch="*")[
                 "ETag"
@@ -178,6 +190,7 @@ class S3ArtifactStore(ArtifactStore):
             raise
 
     def lease_read(self, key: str) -> LeaseState | None:
+        """Return the key's lease state (its age from the object's last modification); None if absent."""
         try:
             obj = self.client.get_object(Bucket=self.bucket, Key=self._lease_key(key))
         except self.client.exceptions.NoSuchKey:
@@ -186,6 +199,7 @@ class S3ArtifactStore(ArtifactStore):
         return LeaseState(json.loads(obj["Body"].read()), max(0.0, age), obj["ETag"])
 
     def lease_renew(self, key: str, token: str) -> str | None:
+        """Rewrite the key's lease object if ``token`` still matches its ETag; return the new ETag, else None."""
         state = self.lease_read(key)
         if state is None or state.token != token:
             return None
@@ -199,6 +213,7 @@ class S3ArtifactStore(ArtifactStore):
             raise
 
     def lease_remove(self, key: str, token: str) -> None:
+        """Delete the key's lease object if ``token`` still matches its ETag."""
         try:
             self.client.delete_object(Bucket=self.bucket, Key=self._lease_key(key), IfMatch=token)
         except ClientError as err:

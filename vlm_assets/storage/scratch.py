@@ -45,9 +45,11 @@ def sweep(parent: Path) -> list[Path]:
 
 @contextlib.contextmanager
 def held_dir(parent: Path | str | None = None, prefix: str | None = None) -> Iterator[Path]:
-    """A new directory in ``parent`` (the system's temp folder by default), removed on exit whatever
-    happens, and by the next ``held_dir`` of the same parent if this process dies before that. The
-    directories of dead makers in ``parent`` are removed first."""
+    """Yield a new directory in ``parent`` (the system's temp folder by default), removed on exit whatever happens.
+
+    The next ``held_dir`` of the same parent removes it if this process dies before that. The directories of dead
+    makers in ``parent`` are removed first.
+    """
     parent = Path(parent or tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)
     sweep(parent)

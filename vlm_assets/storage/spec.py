@@ -9,6 +9,7 @@ from vlm_assets.storage.artifact_store import ArtifactStore, LocalArtifactStore
 
 
 def store_from_spec(spec: dict[str, Any]) -> ArtifactStore:
+    """Build the artifact store a spec dict describes (``ArtifactStoreResource.spec``): local or S3."""
     kind = spec.get("kind")
     if kind == "local":
         return LocalArtifactStore(spec["root"])

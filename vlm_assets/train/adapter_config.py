@@ -9,6 +9,8 @@ from vlm_assets.train.run_config import Optimizer, Parallelism, RunConfig, Setti
 
 
 class AdapterModel(Settings):
+    """The adapter trainer's model section: the frozen backbone and the adapter's steps."""
+
     backbone: str = Field(
         default="Qwen/Qwen2.5-VL-3B-Instruct",
         description=(
@@ -28,6 +30,8 @@ class AdapterModel(Settings):
 
 
 class AdapterOptimizer(Optimizer):
+    """The adapter trainer's optimizer section: batch, epochs, AdamW and the reconstruction loss."""
+
     global_batch_size: int = Field(default=16, ge=1, description="Samples per optimizer step over all processes.")
     epochs: int = Field(default=8, ge=1, description="Training epochs.")
     lr: float = Field(default=2e-4, gt=0, description="AdamW learning rate (betas 0.9, 0.95).")
@@ -69,6 +73,8 @@ class AdapterOptimizer(Optimizer):
 
 
 class AdapterData(Settings):
+    """The adapter trainer's data section: image size, prompt length and the rows used."""
+
     image_size: int = Field(
         default=224, ge=28, description="Square input size (multiple of 28: Qwen patch 14 x merge 2)."
     )
@@ -85,6 +91,8 @@ class AdapterData(Settings):
 
 
 class AdapterCheckpoint(Settings):
+    """The adapter trainer's checkpoint section."""
+
     materialize_partial_on_failure: bool = run_field(
         False,
         (
@@ -95,6 +103,8 @@ class AdapterCheckpoint(Settings):
 
 
 class AdapterParallelism(Parallelism):
+    """The adapter trainer's parallelism section: the strategy and the per-process batch."""
+
     strategy: Literal["auto", "ddp", "deepspeed"] = Field(
         default="auto", description="auto = DeepSpeed ZeRO-2 on GPUs, DDP (gloo) on CPU."
     )

@@ -18,6 +18,8 @@ def masked_l1(restored: torch.Tensor, clean: torch.Tensor, mask: torch.Tensor) -
 
 
 class AdapterModule(L.LightningModule):
+    """The Lightning module that trains an ``OcclusionAdapter`` in front of a frozen backbone."""
+
     def __init__(self, config: AdapterTrainConfig, backbone: str):
         super().__init__()
         self.config, self.backbone_path = config, backbone
@@ -27,6 +29,7 @@ class AdapterModule(L.LightningModule):
 
     def configure_model(self) -> None:
         # Reconstruction alone (warm-up spans every epoch) never runs the backbone: do not load it.
+        """Load the frozen backbone once, unless the reconstruction warm-up spans every epoch."""
         if self.backbone is None and self.config.optimizer.reconstruction_warmup_epochs < self.config.optimizer.epochs:
             dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
             self.backbone = load_backbone(
@@ -37,6 +40,7 @@ class AdapterModule(L.LightningModule):
             )
 
     def losses(self, batch: dict, with_lm: bool = True) -> dict[str, torch.Tensor]:
+        """Return the batch's losses: weighted reconstruction, plus the backbone's answer loss with ``with_lm``."""
         restored = self.adapter(batch["occluded"], batch["mask"])
         rec = masked_l1(restored, batch["clean"], batch["mask"])
         if self.config.optimizer.reconstruction_outside_box:  # outside the box the clean image is the input
@@ -48,21 +52,26 @@ class AdapterModule(L.LightningModule):
         return out
 
     def with_lm(self) -> bool:
-        """False during the reconstruction warm-up: the backbone is not run at all then (the adapter alone
-        takes milliseconds), in training and validation."""
+        """Return whether the backbone's loss is used: False during the reconstruction warm-up.
+
+        The backbone is not run at all then (the adapter alone takes milliseconds), in training and validation.
+        """
         return self.current_epoch >= self.config.optimizer.reconstruction_warmup_epochs
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        """Return the batch's loss, logging each loss and the gate."""
         losses = self.losses(batch, with_lm=self.with_lm())
         self.log_dict({f"train/{k}": v.detach() for k, v in losses.items()}, batch_size=len(batch["prompt"]))
         self.log("train/gate", self.adapter.gate.detach().squeeze())
         return losses["loss"]
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
+        """Log the batch's losses, averaged over ranks."""
         losses = self.losses(batch, with_lm=self.with_lm())
         self.log_dict({f"val/{k}": v for k, v in losses.items()}, sync_dist=True, batch_size=len(batch["prompt"]))
 
     def configure_optimizers(self):
+        """Return AdamW over the adapter's parameters."""
         return torch.optim.AdamW(
             self.adapter.parameters(),
             lr=self.config.optimizer.lr,
@@ -72,9 +81,11 @@ class AdapterModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Never the backbone: a checkpoint is the adapter (kilobytes) plus optimizer and loop state.
+        """Keep only the adapter's weights in the checkpoint, never the backbone's."""
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith(ADAPTER_PREFIX)}
 
     def train(self, mode: bool = True):
+        """Set training mode but keep the backbone in eval mode; return self."""
         super().train(mode)
         if self.backbone is not None:
             self.backbone.train(False)

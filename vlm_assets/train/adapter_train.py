@@ -38,11 +38,13 @@ warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode a
 
 
 class EpochHistory(L.Callback):
-    """Per-epoch rows for ``history.json``, the materialization and the loggers (``train_epoch/<name>``):
-    the means of the train values the module logged this epoch, and the validation metrics. Lightning
-    logs the module's own values. Saved in every checkpoint, so a resumed run's history covers the
-    whole run. (Lightning's ``on_epoch=True`` would log the train means only at the end of the
-    training epoch, after this epoch's validation has been logged, one step earlier on the x-axis.)"""
+    """A callback keeping per-epoch rows for ``history.json``, the materialization and the loggers.
+
+    The loggers get them as ``train_epoch/<name>``. A row holds the means of the train values the module logged
+    this epoch, and the validation metrics. Lightning logs the module's own values. Saved in every checkpoint, so a
+    resumed run's history covers the whole run. (Lightning's ``on_epoch=True`` would log the train means only at
+    the end of the training epoch, after this epoch's validation has been logged, one step earlier on the x-axis.)
+    """
 
     def __init__(self, reporter: Reporter):
         self.reporter = reporter
@@ -52,14 +54,17 @@ class EpochHistory(L.Callback):
         self._count = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
+        """Note the epoch a resumed run starts after, and log it."""
         if trainer.global_step:  # restored: the history came back with the checkpoint
             self.resumed_from_epoch = len(self.epochs)
             self.reporter.log(f"resumed after {len(self.epochs)} epoch(s) (step {trainer.global_step})")
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
+        """Reset the sums of this epoch's train values."""
         self._sums, self._count = {}, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Add the batch's train values to the epoch's sums; log the optimizer step."""
         for k, v in trainer.callback_metrics.items():
             if k.startswith("train/"):
                 self._sums[k] = self._sums.get(k, 0.0) + float(v)
@@ -67,6 +72,7 @@ class EpochHistory(L.Callback):
         pl_module.log("step", float(trainer.global_step))  # the loggers' x-axis: the optimizer step
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        """Append the epoch's row (train means over every rank, validation metrics) and log it."""
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
         # The mean over every rank's batches (a collective: every rank is here).
@@ -97,13 +103,16 @@ class EpochHistory(L.Callback):
         )
 
     def state_dict(self) -> dict:
+        """Return the history for a checkpoint."""
         return {"epochs": self.epochs}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the history from a checkpoint."""
         self.epochs = state["epochs"]
 
 
 def build_trainer(run: TrainerRun[AdapterTrainConfig], callbacks, checkpoint_io: StoreCheckpointIO) -> L.Trainer:
+    """Return the adapter's Lightning trainer: DeepSpeed ZeRO-2 or DDP, checkpoints through ``checkpoint_io``."""
     config, cuda = run.config, torch.cuda.is_available()
     if config.parallelism.resolved_strategy(cuda) == "deepspeed":
         strategy = deepspeed_strategy(checkpoint_io, stage=2, exclude_frozen_parameters=True)
@@ -119,6 +128,7 @@ def build_trainer(run: TrainerRun[AdapterTrainConfig], callbacks, checkpoint_io:
 
 
 def train(run: TrainerRun[AdapterTrainConfig]) -> None:
+    """Train the occlusion adapter on one process of the launch, then save and report it (the trainer's ``train``)."""
     config, paths, reporter = run.config, run.paths, run.reporter
     L.seed_everything(config.seed, workers=True, verbose=False)
     root = Path(paths.input("occlusion_manifests"))

@@ -28,6 +28,7 @@ CHECKPOINT_NAME = "step-{step:08d}"  # ModelCheckpoint's file name: StoreCheckpo
 
 
 def step_key(prefix: str, step: int) -> str:
+    """Return the store key of the checkpoint of ``step`` under ``prefix``."""
     return f"{prefix.strip('/')}/step-{step:08d}"
 
 
@@ -46,19 +47,22 @@ def latest_checkpoint(
 
 
 class StoreCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint IO with the artifact store behind it. ``path`` is a local staging file
-    (``.../step-<N>.ckpt``, named by ``StepCheckpoint``): the checkpoint is written there, committed
-    as ``<prefix>/step-<N>`` and the staging copy removed; then all but the newest ``keep_last`` are
-    deleted from the store. The rotation is here and not ModelCheckpoint's ``save_top_k`` because
+    """Lightning's checkpoint IO with the artifact store behind it.
+
+    ``path`` is a local staging file (``.../step-<N>.ckpt``, named by ``StepCheckpoint``): the checkpoint is
+    written there, committed as ``<prefix>/step-<N>`` and the staging copy removed; then all but the newest
+    ``keep_last`` are deleted from the store. The rotation is here and not ModelCheckpoint's ``save_top_k`` because
     that bookkeeping is keyed by local paths, which change with every attempt's scratch directory:
     after a relaunch it would forget the checkpoints of the attempt it resumes; the store's listing
-    is the truth across attempts."""
+    is the truth across attempts.
+    """
 
     def __init__(self, store: ArtifactStore, prefix: str, *, keep_last: int, log: Callable[[str], None]):
         super().__init__()
         self.store, self.prefix, self.keep_last, self.report = store, prefix, keep_last, log
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        """Write the checkpoint into a staging folder beside ``path``, then commit it."""
         local = Path(path).with_suffix("")  # .../step-<N>/checkpoint.ckpt: the layout of a committed one
         step = checkpoint["global_step"]
         with staged_write(local, f"checkpoint step {step}"):
@@ -66,6 +70,10 @@ class StoreCheckpointIO(TorchCheckpointIO):
         self.commit(local, step, checkpoint["epoch"])
 
     def commit(self, local: Path, step: int, epoch: int) -> None:
+        """Commit the staged checkpoint as ``<prefix>/step-<N>`` and remove the staging copy.
+
+        A damaged checkpoint under that key is dropped first; all but the newest ``keep_last`` are deleted after.
+        """
         key = step_key(self.prefix, step)
         self._drop_if_damaged(key)
         ref = self.store.commit(key, local, metadata={"step": step, "epoch": epoch})
@@ -75,6 +83,7 @@ class StoreCheckpointIO(TorchCheckpointIO):
         self.report(f"checkpoint step {step} committed: {ref.uri}")
 
     def remove_checkpoint(self, path) -> None:
+        """Delete from the store the checkpoint that ``path`` names by its step."""
         if match := re.fullmatch(r"step-(\d+)(\.ckpt)?", Path(path).name):
             self.store.delete(step_key(self.prefix, int(match.group(1))))
 
@@ -92,9 +101,9 @@ class StoreCheckpointIO(TorchCheckpointIO):
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` every ``every`` optimizer steps and at the end of training, into
-    ``staging`` (``StoreCheckpointIO`` commits each one). Two things ModelCheckpoint does not do by
-    itself, added here:
+    """``ModelCheckpoint`` every ``every`` optimizer steps and at the end of training, into ``staging``.
+
+    ``StoreCheckpointIO`` commits each one. Two things ModelCheckpoint does not do by itself, added here:
 
     - a step that also validates is saved *after* its validation. ModelCheckpoint saves in
       ``on_train_batch_end``, before that step's validation, and Lightning resumes such a
@@ -118,34 +127,41 @@ class StepCheckpoint(ModelCheckpoint):
         return self.val_every is not None and step % self.val_every == 0
 
     def on_train_start(self, trainer, pl_module) -> None:
+        """Take the step training starts at as saved already."""
         super().on_train_start(trainer, pl_module)
         self._last_global_step_saved = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Save as ``ModelCheckpoint`` does, except on a step that also validates."""
         if not self._validates(trainer.global_step):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def on_validation_end(self, trainer, pl_module) -> None:
+        """Save a step that validates, after its validation."""
         step = trainer.global_step
         if not self._should_skip_saving_checkpoint(trainer) and step % self.every == 0 and self._validates(step):
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
+        """Save the last step, unless it was saved already."""
         if self._last_global_step_saved != trainer.global_step:
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
 class StepSeed(Callback):
-    """Reseeds torch's generators (CPU and every GPU) before each micro-batch from (seed, rank, optimizer
-    step, micro-batch of that step), so that dropout draws the same masks in a run resumed from a
-    checkpoint as in the run never stopped, with no random state to save. Lightning's checkpoints carry
-    no generator state (and each new epoch's loader draws from the global stream too), so a resumed run
-    would otherwise restart the stream at the seed."""
+    """A callback reseeding torch's generators (CPU and every GPU) before each micro-batch.
+
+    The seed comes from (seed, rank, optimizer step, micro-batch of that step), so that dropout draws the same masks
+    in a run resumed from a checkpoint as in the run never stopped, with no random state to save. Lightning's
+    checkpoints carry no generator state (and each new epoch's loader draws from the global stream too), so a
+    resumed run would otherwise restart the stream at the seed.
+    """
 
     def __init__(self, seed: int):
         self.seed, self.step, self.micro = seed, -1, 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        """Reseed torch from (seed, rank, optimizer step, micro-batch) before the micro-batch."""
         if trainer.global_step != self.step:
             self.step, self.micro = trainer.global_step, 0
         entropy = [self.seed % 2**32, trainer.global_rank, self.step, self.micro]

@@ -19,15 +19,19 @@ def deepspeed_strategy(checkpoint_io: StoreCheckpointIO, **settings: Any) -> Dee
 
 
 class StoreDeepSpeedStrategy(DeepSpeedStrategy):
-    """DeepSpeed writes its checkpoints itself (a directory every rank writes its shards into), never
-    through a ``CheckpointIO``: the directory is committed the same way once all ranks have written it.
-    Multi-node runs need the staging directory on a shared volume."""
+    """A DeepSpeed strategy committing its checkpoints to the artifact store.
+
+    DeepSpeed writes its checkpoints itself (a directory every rank writes its shards into), never through a
+    ``CheckpointIO``: the directory is committed the same way once all ranks have written it. Multi-node runs need
+    the staging directory on a shared volume.
+    """
 
     def __init__(self, checkpoint_io: StoreCheckpointIO, **kwargs):
         super().__init__(**kwargs)
         self.committer = checkpoint_io
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """Write the checkpoint's shards from every rank into one staging folder; rank 0 then commits it."""
         local = Path(self.broadcast(str(Path(filepath).with_suffix(""))))
         with staged_write(local, f"checkpoint step {checkpoint['global_step']}"):
             super().save_checkpoint(checkpoint, local / CHECKPOINT_FILE, storage_options)
@@ -37,14 +41,18 @@ class StoreDeepSpeedStrategy(DeepSpeedStrategy):
 
 
 class CPUStoreDeepSpeedStrategy(StoreDeepSpeedStrategy):
-    """The same on CPU (DS_ACCELERATOR=cpu, gloo), as CI runs the GPU path. Lightning refuses any
-    accelerator but CUDA in its set-up (a check, and GPU indices per rank), while DeepSpeed itself runs
-    ZeRO on CPU: these three steps do what Lightning's do, minus the CUDA parts."""
+    """The same strategy on CPU (DS_ACCELERATOR=cpu, gloo), as CI runs the GPU path.
+
+    Lightning refuses any accelerator but CUDA in its set-up (a check, and GPU indices per rank), while DeepSpeed
+    itself runs ZeRO on CPU: these three steps do what Lightning's do, minus the CUDA parts.
+    """
 
     def setup_environment(self) -> None:
+        """Set up the device and the process group as DDP does, without Lightning's CUDA check."""
         DDPStrategy.setup_environment(self)  # the device, then setup_distributed below
 
     def setup_distributed(self) -> None:
+        """Reset the seed, set the world ranks and initialise DeepSpeed's process group."""
         from lightning.fabric.utilities.seed import reset_seed
 
         reset_seed()

@@ -58,18 +58,24 @@ class TrainerRun(Generic[C]):
         return out
 
     def latest_checkpoint(self) -> tuple[str, Path] | None:
-        """(key, local file) of the newest intact checkpoint of this run's key, or None."""
+        """Return (key, local file) of the newest intact checkpoint of this run's key, or None."""
         return latest_checkpoint(
             self.store, self.paths.checkpoint_prefix, self.reporter.log, cache_dir=self.cache / "checkpoints"
         )
 
     def checkpoint_io(self, keep_last: int) -> StoreCheckpointIO:
-        """Commits each checkpoint to the store under ``<prefix>/step-<N>``, keeping the newest ``keep_last``."""
+        """Return a checkpoint IO committing each checkpoint to the store under ``<prefix>/step-<N>``.
+
+        It keeps the newest ``keep_last``.
+        """
         return StoreCheckpointIO(self.store, self.paths.checkpoint_prefix, keep_last=keep_last, log=self.reporter.log)
 
     def trainer(self, strategy: Any, callbacks: list[L.Callback], **settings: Any) -> L.Trainer:
-        """Lightning's ``Trainer`` on the launch's topology (nodes x local processes), bf16-mixed on a GPU
-        and fp32 on CPU, logging to the reporter's loggers, without progress bars or summaries."""
+        """Return Lightning's ``Trainer`` on the launch's topology (nodes x local processes).
+
+        It runs bf16-mixed on a GPU and fp32 on CPU, logs to the reporter's loggers, and has no progress bars or
+        summaries.
+        """
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         cuda = torch.cuda.is_available()
         return L.Trainer(
@@ -88,21 +94,29 @@ class TrainerRun(Generic[C]):
         )
 
     def fit(self, trainer: L.Trainer, module: L.LightningModule, resume: tuple[str, Path] | None, **data: Any) -> None:
-        """``trainer.fit``, resumed from ``resume`` (our own full checkpoint, its sha256 verified against
-        the manifest, hence ``weights_only=False``)."""
+        """Run ``trainer.fit``, resumed from ``resume`` when given.
+
+        ``resume`` is our own full checkpoint, its sha256 verified against the manifest, hence ``weights_only=False``.
+        """
         trainer.fit(module, ckpt_path=str(resume[1]) if resume else None, weights_only=False, **data)
 
     def report(self, trainer: L.Trainer, metrics: dict[str, Any]) -> None:
-        """Rank 0's one Pipes report, the asset's materialization: ``metrics`` and how the run ran (its
-        processes, precision and process-group backend, read from what ran)."""
+        """Send rank 0's one Pipes report, the asset's materialization.
+
+        It carries ``metrics`` and how the run ran (its processes, precision and process-group backend, read from
+        what ran).
+        """
         how = {"world_size": trainer.world_size, "precision": trainer.precision, "backend": process_group_backend()}
         self.reporter.materialization({**metrics, **how})
 
 
 def entry_point(config_type: type[C], train: Callable[[TrainerRun[C]], None]) -> Callable[[list[str] | None], None]:
-    """A trainer module's ``main``: read the run file named by ``--config`` as ``config_type``, run
-    ``train`` with this process's ``TrainerRun``, turn ``InputRefused`` into exit 65 (never retried) and
-    destroy the process group on the way out, whatever ended the run."""
+    """Return a trainer module's ``main`` for ``config_type`` and ``train``.
+
+    ``main`` reads the run file named by ``--config`` as ``config_type``, runs ``train`` with this process's
+    ``TrainerRun``, turns ``InputRefused`` into exit 65 (never retried) and destroys the process group on the way
+    out, whatever ended the run.
+    """
 
     def main(argv: list[str] | None = None) -> None:
         parser = argparse.ArgumentParser(description=f"{train.__module__}: run one process of a launched training")

@@ -10,6 +10,8 @@ from vlm_assets.train.run_config import Optimizer, Parallelism, RunConfig, Setti
 
 
 class GPTModel(Settings):
+    """The GPT trainer's model section: a preset's shape, its width and depth overridable, and dropout."""
+
     preset: str = Field(default="124M", description=f"Model shape and default lr: one of {list(PRESETS)}.")
     n_embd: int | None = Field(
         default=None, ge=1, description="Width instead of the preset's (its heads kept): a preset's shape at test size."
@@ -37,6 +39,8 @@ class GPTModel(Settings):
 
 
 class GPTOptimizer(Optimizer):
+    """The GPT trainer's optimizer section: global batch and warmup-cosine learning-rate schedule."""
+
     global_batch_size: int = Field(default=256, ge=1, description="Sequences per optimizer step over all processes.")
     lr: float | None = Field(default=None, gt=0, description="Peak learning rate; unset = the preset's.")
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Cosine decays to lr x this.")
@@ -53,17 +57,23 @@ class GPTOptimizer(Optimizer):
 
 
 class GPTData(Settings):
+    """The GPT trainer's data section: validation cadence and loader workers."""
+
     val_check_interval: int = Field(default=200, ge=1, description="Validate every this many steps (and at the end).")
     val_batches: int = Field(default=20, ge=1, description="Micro-batches per validation.")
     num_workers: int = run_field(0, "DataLoader workers per process.", ge=0)
 
 
 class GPTCheckpoint(Settings):
+    """The GPT trainer's checkpoint section: cadence and how many to keep."""
+
     every: int = run_field(200, "Commit a checkpoint every this many steps (and at the end).", ge=1)
     keep_last: int = run_field(2, "Complete checkpoints kept in the store.", ge=1)
 
 
 class GPTParallelism(Parallelism):
+    """The GPT trainer's parallelism section: DDP or FSDP2, and the per-process batch."""
+
     strategy: Literal["ddp", "fsdp2"] = Field(
         default="fsdp2", description="DDP, or FSDP2 (fully_shard per block, then the root)."
     )

@@ -15,6 +15,7 @@ from vlm_assets.train.reporting import MAX_LOG_PPL_LOSS
 
 
 def perplexity(loss: torch.Tensor) -> torch.Tensor:
+    """Return the perplexity of a mean loss, the loss clamped to ``MAX_LOG_PPL_LOSS`` first."""
     return torch.exp(loss.detach().float().clamp(max=MAX_LOG_PPL_LOSS))
 
 
@@ -36,6 +37,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 class GPTPretrainModule(L.LightningModule):
+    """The Lightning module that pretrains the ``GPT`` decoder."""
+
     def __init__(self, model_config: GPTConfig, config: PretrainConfig, lr: float):
         super().__init__()
         self.model_config = model_config
@@ -45,6 +48,7 @@ class GPTPretrainModule(L.LightningModule):
         self.step_losses: list[float] = []  # train loss of each micro-batch of the current optimizer step
 
     def configure_model(self) -> None:
+        """Build the model once, with activation checkpointing, per-block compilation and FSDP2 as configured."""
         if self.model is not None:  # called again by trainer.validate after fit
             return
         self.model = GPT(self.model_config)
@@ -59,18 +63,22 @@ class GPTPretrainModule(L.LightningModule):
             apply_fsdp2(self.model, self.device_mesh["data_parallel"], bf16=self.trainer.precision == "bf16-mixed")
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        """Return the model's logits and loss (None without ``labels``)."""
         return self.model(input_ids, labels)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Return a micro-batch's loss, kept for the optimizer step's mean."""
         _, loss = self(batch["input_ids"], batch["labels"])
         self.step_losses.append(loss.detach().float().item())  # logged per optimizer step: TrainingHistory
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """Log a validation batch's loss, averaged over ranks."""
         _, loss = self(batch["input_ids"], batch["labels"])
         self.log("val/loss", loss, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
+        """Log the validation perplexity."""
         loss = self.trainer.callback_metrics.get("val/loss")
         if loss is not None:
             self.log("val/perplexity", perplexity(loss), sync_dist=True)
@@ -81,6 +89,7 @@ class GPTPretrainModule(L.LightningModule):
         # shards: torch.nn.utils.clip_grad_norm_ computes each shard's norm and all-reduces them
         # through DTensor, so the clipping uses the norm of the *full* gradient (what torchtitan does;
         # Lightning's own norm clipping is refused for sharded strategies for this reason).
+        """Clip the gradients to the configured norm (of the full gradient, DDP or FSDP2) and log it."""
         if self.config.optimizer.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), self.config.optimizer.grad_clip, foreach=True
@@ -89,6 +98,7 @@ class GPTPretrainModule(L.LightningModule):
             self.log("train/grad_norm", norm)
 
     def configure_optimizers(self):
+        """Return AdamW with a per-step warmup-cosine learning-rate schedule."""
         fused = self.device.type == "cuda"
         optimizer = torch.optim.AdamW(
             param_groups(self.model, self.config.optimizer.weight_decay),
@@ -110,14 +120,16 @@ class GPTPretrainModule(L.LightningModule):
 
 
 class TokenDataModule(L.LightningDataModule):
-    """``token_shards`` through ``StreamingDataset``: streaming partitions samples over ranks itself
-    (Lightning's distributed sampler is switched off by the trainer), and the train position is part
-    of every checkpoint: the number of samples consumed this epoch, counted on batches the model
+    """``token_shards`` through ``StreamingDataset``, its train position part of every checkpoint.
+
+    Streaming partitions samples over ranks itself (Lightning's distributed sampler is switched off by the
+    trainer). The position is the number of samples consumed this epoch, counted on batches the model
     actually received (not those Lightning prefetched), in streaming's own resume format.
 
     Counted here, not by streaming's ``StreamingDataLoader.state_dict``: that one counts the batches
     the loader has yielded, and Lightning's fit loop fetches one batch ahead (to know the last one), so
-    a checkpoint would resume one batch past what the model consumed."""
+    a checkpoint would resume one batch past what the model consumed.
+    """
 
     def __init__(self, config: PretrainConfig, shards_uri: str, cache_dir: str):
         super().__init__()
@@ -128,6 +140,7 @@ class TokenDataModule(L.LightningDataModule):
         self._consumed = 0  # global samples handed to the model in the current epoch of this process
 
     def setup(self, stage: str) -> None:
+        """Open the train (shuffled) and val streaming datasets, once."""
         cache = f"{self.cache_dir}/shards"
         if self.train_data is None:
             self.train_data = token_dataset(
@@ -147,12 +160,15 @@ class TokenDataModule(L.LightningDataModule):
         return DataLoader(data, batch_size=batch, collate_fn=collate_tokens, num_workers=workers, **kwargs)
 
     def train_dataloader(self) -> DataLoader:
+        """Return the train loader, dropping the last partial batch."""
         return self._loader(self.train_data, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
+        """Return the val loader."""
         return self._loader(self.val_data)
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """Count the samples of a training batch as consumed this epoch; return the batch."""
         if self.trainer.training:
             if self.trainer.current_epoch != self._epoch:
                 self._epoch, self._consumed = self.trainer.current_epoch, 0
@@ -160,6 +176,7 @@ class TokenDataModule(L.LightningDataModule):
         return batch
 
     def state_dict(self) -> dict:
+        """Return the stream's resume state at the samples consumed this epoch (empty before training)."""
         if self._epoch is None:
             return {}
         return {"stream": self.train_data.state_dict(self._consumed, from_beginning=False)}
@@ -167,5 +184,6 @@ class TokenDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         # Lightning restores after setup() and before the train loader is first iterated: streaming
         # picks the position up at its next __iter__.
+        """Restore the stream's position, picked up at its next iteration."""
         if "stream" in state:
             self.train_data.load_state_dict(state["stream"])

@@ -40,6 +40,7 @@ warnings.filterwarnings("ignore", message=r".*Your `IterableDataset` has `__len_
 
 
 def build_trainer(run: TrainerRun[PretrainConfig], callbacks: list[L.Callback], checkpoint_io) -> L.Trainer:
+    """Return the GPT pretraining's Lightning trainer: FSDP2 or DDP, checkpoints through ``checkpoint_io``."""
     config = run.config
     if config.parallelism.strategy == "fsdp2":
         strategy = ModelParallelStrategy(
@@ -63,6 +64,7 @@ def build_trainer(run: TrainerRun[PretrainConfig], callbacks: list[L.Callback], 
 
 
 def train(run: TrainerRun[PretrainConfig]) -> None:
+    """Pretrain the GPT on one process of the launch, then export and report it (the trainer's ``train``)."""
     config, paths, rank, world, reporter = run.config, run.paths, run.rank, run.world, run.reporter
     shards_uri = paths.input("token_shards")
     summary = json.loads(_shards_path(shards_uri, paths.cache_dir, "tokens.json").read_text())

@@ -20,9 +20,11 @@ from lightning.pytorch.utilities import rank_zero_only
 
 
 def quiet_lightning() -> None:
-    """Keep Lightning's start-up banner out of the Dagster log (the accelerator, TPU, distributed
-    set-up and a logging-service tip, on every launch: the launcher already says how it runs), and
-    its warnings about its own internals."""
+    """Keep Lightning's start-up banner and its warnings about its own internals out of the Dagster log.
+
+    The banner tells the accelerator, TPU, distributed set-up and a logging-service tip, on every launch: the
+    launcher already says how it runs.
+    """
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # Lightning 2.6 calls a torch.utils._pytree API that torch deprecated: nothing of ours.
@@ -30,8 +32,10 @@ def quiet_lightning() -> None:
 
 
 def process_group_backend() -> str:
-    """The backend of this process's default group ("nccl", "gloo"), or "none" without one (a single
-    process): read from torch.distributed, so that metadata and tests say what really ran."""
+    """Return the backend of this process's default group ("nccl", "gloo"), or "none" without one (a single process).
+
+    It is read from torch.distributed, so that metadata and tests say what really ran.
+    """
     import torch.distributed as dist
 
     return dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
@@ -41,12 +45,15 @@ MAX_LOG_PPL_LOSS = 20.0  # perplexity = exp(min(loss, 20)): finite in the first 
 
 
 class Reporter:
+    """Where a training process reports: on rank 0, Dagster Pipes when launched by Dagster, stdout otherwise."""
+
     def __init__(self, rank: int, pipes=None, tracking_uri: str | None = None, run_id: str | None = None):
         self.rank, self.pipes, self.tracking_uri, self.run_id = rank, pipes, tracking_uri, run_id
 
     @classmethod
     @contextlib.contextmanager
     def open(cls, rank: int, tracking_uri: str | None, run_id: str | None) -> Iterator["Reporter"]:
+        """Yield this rank's reporter; rank 0 opens Dagster Pipes for it when launched by Dagster."""
         if rank != 0:
             yield cls(rank, None, tracking_uri, run_id)
             return
@@ -61,13 +68,14 @@ class Reporter:
             yield cls(rank, pipes, tracking_uri, run_id)
 
     def loggers(self) -> list[Logger]:
-        """Lightning loggers for the trainer (the same list on every rank; Lightning logs on rank 0)."""
+        """Return Lightning loggers for the trainer (the same list on every rank; Lightning logs on rank 0)."""
         loggers: list[Logger] = [PipesLogger(self)]
         if self.tracking_uri and self.run_id:
             loggers.append(StepRunMLFlowLogger(tracking_uri=self.tracking_uri, run_id=self.run_id))
         return loggers
 
     def log(self, message: str) -> None:
+        """Log ``message`` from rank 0 (to Pipes, else stdout); other ranks say nothing."""
         if self.rank != 0:
             return
         if self.pipes is not None:
@@ -76,6 +84,7 @@ class Reporter:
             print(message, flush=True)
 
     def materialization(self, metadata: dict[str, Any]) -> None:
+        """Report the asset's materialization with ``metadata`` from rank 0 (to Pipes, else stdout as JSON)."""
         if self.rank != 0:
             return
         if self.pipes is not None:
@@ -85,8 +94,10 @@ class Reporter:
 
 
 class PipesLogger(Logger):
-    """Lightning logger writing each report as one line, ``step N: name=value ...``, to the Dagster
-    run log (through Pipes when launched by Dagster, stdout otherwise)."""
+    """A Lightning logger writing each report as one line, ``step N: name=value ...``, to the Dagster run log.
+
+    The line goes through Pipes when launched by Dagster, to stdout otherwise.
+    """
 
     def __init__(self, reporter: Reporter):
         super().__init__()
@@ -94,18 +105,22 @@ class PipesLogger(Logger):
 
     @property
     def name(self) -> str:
+        """The logger's name: ``dagster``."""
         return "dagster"
 
     @property
     def version(self) -> str:
+        """The logger's version: ``pipes``."""
         return "pipes"
 
     @rank_zero_only
     def log_hyperparams(self, params, *args, **kwargs) -> None:
+        """Log nothing: the asset's MLflow run holds the config as params."""
         pass  # the asset's MLflow run holds the config as params; the Dagster log shows it at launch
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Log ``metrics`` (but the epoch) at ``step`` as one line."""
         shown = {k: v for k, v in sorted(metrics.items()) if k != "epoch"}
         if shown:
             self.reporter.log(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
@@ -118,15 +133,18 @@ class StepRunMLFlowLogger(MLFlowLogger):
     def finalize(self, status: str = "success") -> None:
         # MLFlowLogger.finalize ends the run when fit returns: before the step has exported and
         # committed the model, and as FINISHED even when the step fails after training.
+        """Leave the MLflow run open: the Dagster step ends it."""
         pass
 
 
 class TrainingHistory(L.Callback):
-    """Per-step train loss, learning rate and end time (epoch seconds: steady-state speed from
-    timestamps), per-validation val loss, kept for ``history.json`` and
+    """A callback keeping per-step train loss, learning rate and end time, and per-validation val loss.
+
+    End times are epoch seconds (steady-state speed from timestamps); the history is kept for ``history.json`` and
     the loss plot; the step's metrics are logged through the trainer's loggers, which report them
     every ``log_every_n_steps``. Its state is saved in every checkpoint, so a resumed run's history
-    covers the whole run. ``tokens_per_step`` None: the steps' sizes vary, no tokens/s is logged."""
+    covers the whole run. ``tokens_per_step`` None: the steps' sizes vary, no tokens/s is logged.
+    """
 
     def __init__(self, reporter: Reporter, max_steps: int, tokens_per_step: int | None):
         self.reporter, self.max_steps, self.tokens_per_step = reporter, max_steps, tokens_per_step
@@ -137,11 +155,13 @@ class TrainingHistory(L.Callback):
         self._start_step = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
+        """Start the clock at the first step of this process, and log a resume."""
         self._started, self._start_step = time.perf_counter(), trainer.global_step
         if trainer.global_step:
             self.reporter.log(f"resumed at step {trainer.global_step} (epoch {trainer.current_epoch})")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Record and log an optimizer step's mean loss and learning rate once all its micro-batches ran."""
         step = trainer.global_step
         if not pl_module.step_losses or (self.train and self.train[-1]["step"] >= step) or step == self._start_step:
             return  # still accumulating this optimizer step
@@ -159,6 +179,7 @@ class TrainingHistory(L.Callback):
         pl_module.log_dict({**metrics, "step": float(step)})
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        """Record the validation loss at the current step, once per step."""
         if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:
             return
         # "step": validation runs before Lightning counts the step; the same on every rank (synced
@@ -175,13 +196,18 @@ class TrainingHistory(L.Callback):
         return (step - self._start_step) * self.tokens_per_step / max(elapsed, 1e-9)
 
     def state_dict(self) -> dict:
+        """Return the history for a checkpoint."""
         return {"train": self.train, "val": self.val}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restored from a checkpoint, whose step is the history's last: the resumed step, also when the
-        checkpoint is the final one (Lightning then starts no training, and no ``on_train_start``)."""
+        """Restore the history from a checkpoint, whose step is the history's last.
+
+        That step is the resumed step, also when the checkpoint is the final one (Lightning then starts no training,
+        and no ``on_train_start``).
+        """
         self.train, self.val = state["train"], state["val"]
         self.resumed_from_step = self.train[-1]["step"] if self.train else 0
 
     def save(self, path: Path) -> None:
+        """Write the history and the step it resumed from as JSON to ``path``."""
         path.write_text(json.dumps({"train": self.train, "val": self.val, "resumed_from_step": self.resumed_from_step}))

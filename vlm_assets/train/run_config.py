@@ -38,16 +38,20 @@ def run_field(default: Any, description: str, **constraints: Any) -> Any:
 
 
 def step_field(description: str, **default: Any) -> Any:
-    """A field only the asset's own step reads (a checks section, the pod resources, an upstream choice):
-    outside the cache key (an upstream it reads enters the key by its data version), and left out of
-    the run file the trainer's processes read."""
+    """Declare a field only the asset's own step reads (a checks section, the pod resources, an upstream choice).
+
+    It is outside the cache key (an upstream it reads enters the key by its data version), and left out of the
+    run file the trainer's processes read.
+    """
     return Field(description=description, json_schema_extra=_STEP, **default)
 
 
 def overlay(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """A config dict with ``override`` laid over ``base`` section by section: the fields a section of
-    ``override`` gives replace the base's (a dict-valued field such as ``chat_datasets`` whole), the
-    section's other fields stay."""
+    """Return a config dict with ``override`` laid over ``base`` section by section.
+
+    The fields a section of ``override`` gives replace the base's (a dict-valued field such as ``chat_datasets``
+    whole); the section's other fields stay.
+    """
     sections = {
         k: {**base[k], **v} for k, v in override.items() if isinstance(v, dict) and isinstance(base.get(k), dict)
     }
@@ -55,8 +59,10 @@ def overlay(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 
 def describe_validation_error(err: ValidationError, where: str, section: tuple[str, ...] = ()) -> str:
-    """``<where>: field <a.b>: <message>`` lines, one per problem, for users rather than developers;
-    ``section``: where in a larger config the model that raised ``err`` sits."""
+    """Describe ``err`` for users rather than developers: ``<where>: field <a.b>: <message>``, one line per problem.
+
+    ``section``: where in a larger config the model that raised ``err`` sits.
+    """
     lines = []
     for e in err.errors():
         message, loc = e["msg"].removeprefix("Value error, "), (*section, *e["loc"])
@@ -65,8 +71,10 @@ def describe_validation_error(err: ValidationError, where: str, section: tuple[s
 
 
 class Settings(BaseModel):
-    """A validated settings model whose fields are identity fields unless declared with ``run_field`` or
-    ``step_field``; a field whose type is itself ``Settings`` is a section, its fields judged one by one."""
+    """A validated settings model whose fields are identity fields unless declared with ``run_field`` or ``step_field``.
+
+    A field whose type is itself ``Settings`` is a section, its fields judged one by one.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -93,6 +101,7 @@ class Settings(BaseModel):
 
     @classmethod
     def step_fields(cls) -> set[str]:
+        """Return the names of the fields declared with ``step_field``."""
         return set(cls._fields_of((_STEP,)))
 
     def identity(self) -> dict[str, Any]:
@@ -105,8 +114,11 @@ class Settings(BaseModel):
 
 
 class Parallelism(Settings):
-    """How the work is split over processes and what each holds: the topology and the per-process batch
-    (run fields: a rerun on more nodes resumes the same key), and each trainer's strategy."""
+    """How the work is split over processes and what each holds.
+
+    The topology and the per-process batch are run fields (a rerun on more nodes resumes the same key); each trainer
+    adds its strategy.
+    """
 
     num_nodes: int = run_field(1, "Nodes (local launcher: torchrun agents on 127.0.0.1).", ge=1)
     nproc_per_node: int = run_field(1, "Processes (devices) per node.", ge=1)
@@ -129,9 +141,12 @@ ParallelismT = TypeVar("ParallelismT", bound=Parallelism)
 
 
 class RunConfig(Settings, Generic[ModelT, OptimizerT, DataT, CheckpointT, ParallelismT]):
-    """Base of the trainers' configs: the five sections, each a trainer's own settings model
-    (``class PretrainConfig(RunConfig[GPTModel, GPTOptimizer, GPTData, GPTCheckpoint, GPTParallelism])``),
-    and the fields every trainer has. A section left out of the input takes its defaults."""
+    """The base of the trainers' configs: the five sections and the fields every trainer has.
+
+    Each section is a trainer's own settings model
+    (``class PretrainConfig(RunConfig[GPTModel, GPTOptimizer, GPTData, GPTCheckpoint, GPTParallelism])``).
+    A section left out of the input takes its defaults.
+    """
 
     model: ModelT = Field(description="What the model is made of.")
     optimizer: OptimizerT = Field(description="The optimizer, its schedule and the global batch.")
@@ -159,8 +174,10 @@ class RunConfig(Settings, Generic[ModelT, OptimizerT, DataT, CheckpointT, Parall
     def launch_spec(
         self, module: str, args: tuple[str, ...], name: str, resources: dict[str, str] | None = None
     ) -> LaunchSpec:
-        """The distributed job that trains this config: its topology and time limit, and the per-node
-        ``resources`` the launcher asks of a cluster (they are not the trainer's: never in its config)."""
+        """Return the distributed job that trains this config: its topology and time limit, and per-node ``resources``.
+
+        The ``resources`` are what the launcher asks of a cluster; they are not the trainer's: never in its config.
+        """
         return LaunchSpec(
             module,
             args,
@@ -198,6 +215,7 @@ class RunPaths(BaseModel):
     mlflow_run_id: str | None = None
 
     def input(self, name: str) -> str:
+        """Return the location of the upstream input ``name``; raise ``ValueError`` if it is missing."""
         if name not in self.inputs:
             raise ValueError(f"run paths: input {name!r} missing (have {sorted(self.inputs)})")
         return self.inputs[name]

@@ -12,8 +12,10 @@ MODULES = ("encoder", "projection", "decoder", "lora")
 
 
 class VisualChatModelSection(VisualChatModelConfig, Settings):
-    """The model's parts (``VisualChatModelConfig``: what the saved model is rebuilt from), LoRA on them,
-    and which of them train."""
+    """The model section: the model's parts, LoRA on them, and which of them train.
+
+    The parts are ``VisualChatModelConfig``: what the saved model is rebuilt from.
+    """
 
     lora_r: int = Field(default=8, ge=1, description="LoRA rank on the decoder's linear layers.")
     lora_alpha: int = Field(default=16, ge=1, description="LoRA scale numerator (scale = alpha / r).")
@@ -38,10 +40,13 @@ class VisualChatModelSection(VisualChatModelConfig, Settings):
         return value
 
     def trained_modules(self) -> list[str]:
+        """Return the modules that train: those not in ``freeze_modules``."""
         return [m for m in MODULES if m not in self.freeze_modules]
 
 
 class VisualChatOptimizer(Optimizer):
+    """The VisualChat trainer's optimizer section: global batch, AdamW and its warm-up."""
+
     global_batch_size: int = Field(default=8, ge=1, description="Rows per optimizer step over all processes.")
     lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate (linear warmup, then constant).")
     warmup_steps: int = Field(default=10, ge=0, description="Linear learning-rate warmup steps.")
@@ -51,6 +56,8 @@ class VisualChatOptimizer(Optimizer):
 
 
 class VisualChatData(Settings):
+    """The VisualChat trainer's data section: the samples blended in, the held-out share and packing."""
+
     chat_datasets: dict[str, int | None] = Field(
         default={},
         description=(
@@ -112,10 +119,14 @@ class VisualChatData(Settings):
 
 
 class VisualChatCheckpoint(Settings):
+    """The VisualChat trainer's checkpoint section."""
+
     every: int = run_field(50, "Commit a checkpoint every this many optimizer steps (and at the end).", ge=1)
 
 
 class VisualChatParallelism(Parallelism):
+    """The VisualChat trainer's parallelism section: DeepSpeed ZeRO stage and per-process batch."""
+
     zero_stage: int = Field(
         default=2, description="DeepSpeed ZeRO stage: 2 (optimizer + gradients sharded) or 3 (parameters too)."
     )

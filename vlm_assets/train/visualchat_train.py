@@ -64,8 +64,11 @@ warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprec
 
 
 def build_model(config: VisualChatTrainConfig) -> VisualChatModel:
-    """The model to train: pretrained parts, projection at init, LoRA (zero at init) on the decoder, and
-    ``requires_grad`` set by ``freeze_modules``. Deterministic in ``config.seed``."""
+    """Build the model to train, deterministic in ``config.seed``.
+
+    Pretrained parts, projection at init, LoRA (zero at init) on the decoder, and ``requires_grad`` set by
+    ``freeze_modules``.
+    """
     from peft import LoraConfig, get_peft_model
     from transformers.pytorch_utils import Conv1D
 
@@ -135,10 +138,12 @@ def build_samples(config: VisualChatTrainConfig, model: VisualChatModel, manifes
 
 
 class Rows(Dataset):
-    """The packed rows, an epoch rounded up to whole optimizer steps by repeating the first rows (as
-    ``DistributedSampler`` rounds up to whole ranks): Lightning counts an optimizer step every
+    """The packed rows, an epoch rounded up to whole optimizer steps by repeating the first rows.
+
+    This is as ``DistributedSampler`` rounds up to whole ranks: Lightning counts an optimizer step every
     ``accumulation`` batches of an epoch, DeepSpeed every ``accumulation`` batches of the run, and the
-    two agree only when an epoch is a whole number of steps."""
+    two agree only when an epoch is a whole number of steps.
+    """
 
     def __init__(self, rows: list[list[vd.Sample]], global_batch: int):
         self.rows, self.length = rows, math.ceil(len(rows) / global_batch) * global_batch
@@ -160,9 +165,11 @@ class EpochSampler(StatefulDistributedSampler):
     Lightning would go on with the epoch after. (Both are regression tests in test_visualchat_train.)"""
 
     def state_dict(self) -> dict:
+        """Return the sampler's state with its epoch."""
         return {**super().state_dict(), "epoch": self.epoch}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the sampler's state and epoch; a state saved at its epoch's end starts the next epoch."""
         super().load_state_dict(state_dict)
         epoch = state_dict["epoch"]
         if self.next_yielded is not None and self.next_yielded >= self.num_samples:
@@ -171,8 +178,11 @@ class EpochSampler(StatefulDistributedSampler):
 
 
 class VisualChatModule(L.LightningModule):
-    """The model's own loss (answer tokens), AdamW with a linear warm-up, the held-out loss before
-    training (kept in the checkpoint) and the non-padding tokens trained on."""
+    """The Lightning module that trains a ``VisualChatModel`` on its own loss (answer tokens).
+
+    It uses AdamW with a linear warm-up, measures the held-out loss before training (kept in the checkpoint) and
+    counts the non-padding tokens trained on.
+    """
 
     def __init__(self, config: VisualChatTrainConfig, model: VisualChatModel, evaluation: list[vd.Sample], log):
         super().__init__()
@@ -186,24 +196,29 @@ class VisualChatModule(L.LightningModule):
         self._layout = contextlib.ExitStack()
 
     def on_train_start(self) -> None:
+        """Measure the held-out loss before training, unless a checkpoint holds it, and start the clock."""
         if self.baseline_eval_loss is None:
             self.baseline_eval_loss = evaluate(self.model, self.evaluation, self.device)
             self.log_line(f"eval loss before training (projection at init, LoRA zero): {self.baseline_eval_loss:.4f}")
         self.started = time.perf_counter()
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        """Enter the batch's attention layout (its packed segments) for the step."""
         self._layout.enter_context(attention_layout(self.model.layout(batch["input_ids"], batch["segments"])))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        """Return the batch's loss; keep its mean over ranks for the history and count its tokens."""
         loss = self.model(**batch).loss
         self.step_losses.append(float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")))  # the history
         self.tokens += int((batch["segments"] > 0).sum())
         return loss
 
     def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
+        """Leave the batch's attention layout."""
         self._layout.close()
 
     def configure_optimizers(self):
+        """Return AdamW over the trainable parameters with a per-step linear warm-up."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             params, lr=self.config.optimizer.lr, weight_decay=self.config.optimizer.weight_decay
@@ -213,13 +228,16 @@ class VisualChatModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Save the held-out loss before training in the checkpoint."""
         checkpoint["baseline_eval_loss"] = self.baseline_eval_loss
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Restore the held-out loss before training from the checkpoint."""
         self.baseline_eval_loss = checkpoint["baseline_eval_loss"]
 
 
 def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
+    """Train a VisualChat model on one process of the launch, then export and report it (the trainer's ``train``)."""
     config, paths, reporter = run.config, run.paths, run.reporter
     if "decoder" in paths.inputs:  # the decoder the asset resolved (the in-graph GPT's export, or `decoder`)
         spec = config.model.model_copy(update={"decoder": paths.input("decoder")})
@@ -321,8 +339,11 @@ def export(
     metrics: dict,
     history: list[dict],
 ) -> None:
-    """Gather every weight on rank 0, merge LoRA into a CPU replica, check it against the unmerged one,
-    save the merged model, and evaluate the saved model as a user loads it (``eval.json``)."""
+    """Gather every weight on rank 0, merge LoRA into a CPU replica, and save the merged model.
+
+    The merged model is checked against the unmerged one, and the saved model is evaluated as a user loads it
+    (``eval.json``).
+    """
     import deepspeed
 
     rank = run.rank

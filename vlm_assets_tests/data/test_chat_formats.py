@@ -312,6 +312,7 @@ def _inspect(*args: str, env_cache: Path, in_process: bool = True) -> subprocess
     return subprocess.CompletedProcess(["vlm_assets.chat_data", *args], code, out.getvalue(), err.getvalue())
 
 
+@pytest.mark.slow  # runs the inspector in a process of its own
 def test_the_inspector_prints_one_summary_per_file_and_exits_65_listing_every_bad_record(
     images, tmp_path, offline_data
 ):

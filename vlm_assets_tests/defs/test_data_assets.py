@@ -262,6 +262,7 @@ def test_token_shards_on_s3_stream_back(embedded, offline_data, s3_bucket, s3_en
     assert streamed.shape == (40, 128)
 
 
+@pytest.mark.slow  # loads the definitions in processes of their own
 def test_the_demo_profiles_counts_hold_only_for_its_own_source(offline_data, tmp_path):
     """Under the demo profile (2,000 + 500 Fashion-MNIST images), a user who points occlusion_manifests at
     their own folder gets all of its images, not "num_train=2000 exceeds" a count they never set; the

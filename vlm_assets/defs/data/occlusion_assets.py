@@ -18,6 +18,8 @@ from vlm_assets.train.run_config import step_field
 
 
 class BalanceCheckConfig(ProfileDefaults, dg.Config):
+    """Settings of the ``occlusion_manifests`` class-balance check."""
+
     profile_key = "occlusion_manifests.checks"
 
     balance_tolerance: float = Field(
@@ -32,6 +34,8 @@ class BalanceCheckConfig(ProfileDefaults, dg.Config):
 
 
 class OcclusionManifestsConfig(AssetConfig):
+    """Config of the ``occlusion_manifests`` asset."""
+
     profile_key = "occlusion_manifests"
 
     source: Literal["cifar10", "fashion_mnist", "image_folder"] = Field(
@@ -70,6 +74,7 @@ class OcclusionManifestsConfig(AssetConfig):
     checks: BalanceCheckConfig = step_field(CHECKS_SECTION, default_factory=BalanceCheckConfig)
 
     def box_bounds(self) -> dict[str, BoxBounds]:
+        """Return each split's configured bounds on a box side."""
         return {
             split: BoxBounds(getattr(self, f"{split}_box_min"), getattr(self, f"{split}_box_max"))
             for split in ("train", "validation")
@@ -104,9 +109,11 @@ def boxes_within_configured_bounds(judged: Judged) -> dg.AssetCheckResult:
 
 
 def every_class_present_and_balanced(judged: Judged) -> dg.AssetCheckResult:
-    """Each split holds every class. Where a balanced subset was asked for (``num_train`` /
-    ``num_validation`` set), each class is within ``checks.balance_tolerance``; otherwise the source's
-    own class histogram is reported and an imbalance is only a warning (nothing balanced was promised)."""
+    """Check that each split holds every class, and is balanced where a balanced subset was asked for.
+
+    Where ``num_train`` / ``num_validation`` is set, each class is within ``checks.balance_tolerance``; otherwise
+    the source's own class histogram is reported and an imbalance is only a warning (nothing balanced was promised).
+    """
     asked = _config(judged.ref)
     balanced = {"train": asked.num_train is not None, "validation": asked.num_validation is not None}
     return _outcome(
@@ -127,6 +134,7 @@ def every_image_readable(judged: Judged) -> dg.AssetCheckResult:
 
 
 def build_manifests(step: Step) -> Built:
+    """Build the ``occlusion_manifests`` artifact in the step's staging folder from the configured image source."""
     config, staging = step.config, step.staging
     source = load_source(
         config.source,

@@ -32,6 +32,8 @@ CHUNKS = dg.DynamicPartitionsDefinition(name="token_chunks")
 
 
 class TokenShardsConfig(AssetConfig):
+    """Config of the ``token_shards`` asset."""
+
     profile_key = "token_shards"
 
     source: Literal["hf", "text_files", "chunks"] = Field(
@@ -88,6 +90,7 @@ def every_shard_readable(judged: Judged) -> dg.AssetCheckResult:
 
 
 def build_shards(step: Step) -> Built:
+    """Build the ``token_shards`` artifact: tokenize the configured corpus, or merge the ``token_chunks`` partitions."""
     from vlm_assets.data import token_checks
     from vlm_assets.data.token_shards import (
         hf_documents,
@@ -218,6 +221,8 @@ token_shards = memoized_asset(
 
 
 class TokenChunksConfig(AssetConfig):
+    """Config of the ``token_chunks`` asset."""
+
     profile_key = "token_chunks"
 
     source_dir: str | None = run_field(
@@ -236,11 +241,13 @@ class TokenChunksConfig(AssetConfig):
     shard_size_limit: str = Field(default="64mb", description="MDS shard size limit (bytes or '64mb').")
 
     def check_values(self) -> None:
+        """Refuse a config without ``source_dir``."""
         if self.source_dir is None:
             raise ValueError("token_chunks: config field source_dir is not set (the corpus's directory)")
 
 
 def build_chunk(context: dg.AssetExecutionContext, config: TokenChunksConfig, path, staging) -> Built:
+    """Build one ``token_chunks`` partition: tokenize the source file at ``path`` into ``staging``."""
     from vlm_assets.data import token_checks
     from vlm_assets.data.token_chunks import chunk_documents
     from vlm_assets.data.token_shards import load_gpt2_tokenizer, split_documents, write_token_shards

@@ -21,8 +21,11 @@ class BackboneAsset(UpstreamAsset):
 
 
 class OcclusionAdapterConfig(dagster_config(AdapterTrainConfig), TrainingConfig):
-    """``AdapterTrainConfig`` as the asset's config: the same fields, constraints and defaults, the
-    resources apart, and which of the graph's models is the backbone (if one is)."""
+    """``AdapterTrainConfig`` as the asset's config, with the resources and the backbone choice.
+
+    It has the same fields, constraints and defaults, the resources apart, and which of the graph's models is the
+    backbone (if one is).
+    """
 
     profile_key = "occlusion_adapter"
 
@@ -31,6 +34,7 @@ class OcclusionAdapterConfig(dagster_config(AdapterTrainConfig), TrainingConfig)
     )
 
     def check_values(self) -> None:
+        """Refuse a config whose local backbone does not exist (when no backbone asset is named)."""
         if self.backbone_asset is None:
             require_local(self.model.backbone, "config field model.backbone")
 
@@ -44,8 +48,11 @@ def preflight(config: OcclusionAdapterConfig, manifests: Path) -> None:
 
 
 def adapter_training_complete(judged: Judged) -> dg.AssetCheckResult:
-    """Training finished every epoch: a partial adapter (materialized from the last recovery checkpoint
-    after training failed for good) fails here, so eval and registration never use it."""
+    """Check that training finished every epoch.
+
+    A partial adapter (materialized from the last recovery checkpoint after training failed for good) fails here,
+    so eval and registration never use it.
+    """
     partial = bool(judged.ref.metadata["metadata"].get("partial"))
     epochs = judged.ref.metadata["metrics"].get("epochs")
     return dg.AssetCheckResult(
@@ -56,8 +63,10 @@ def adapter_training_complete(judged: Judged) -> dg.AssetCheckResult:
 
 
 def adapter_weights_finite(judged: Judged) -> dg.AssetCheckResult:
-    """The gate and every adapter weight are finite (read when built; on a hit, judged from that
-    record after a size check: ``defs/platform/checks.py``)."""
+    """Check that the gate and every adapter weight are finite.
+
+    Read when built; on a hit, judged from that record after a size check (``defs/platform/checks.py``).
+    """
     from vlm_assets.models.occlusion_adapter import weights_scan
 
     scanned, source = judged.scan(weights_scan)

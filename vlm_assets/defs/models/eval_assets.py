@@ -16,6 +16,8 @@ from vlm_assets.train.run_config import step_field
 
 
 class EvalChecksConfig(ProfileDefaults, dg.Config):
+    """Settings of the ``eval_report`` checks."""
+
     profile_key = "eval_report.checks"
 
     min_accuracy: float = threshold_field(
@@ -33,6 +35,8 @@ class EvalChecksConfig(ProfileDefaults, dg.Config):
 
 
 class EvalReportConfig(AssetConfig):
+    """Config of the ``eval_report`` asset."""
+
     profile_key = "eval_report"
 
     num_samples: int | None = Field(default=None, ge=1, description="Validation images evaluated (unset = all).")
@@ -42,8 +46,10 @@ class EvalReportConfig(AssetConfig):
 
 
 def adapter_accuracy_meets_threshold(judged: Judged) -> dg.AssetCheckResult:
-    """The 95 % Wilson lower bound of the exact-match accuracy with the adapter reaches
-    ``checks.min_accuracy``, beside chance (one over the classes)."""
+    """Check that the 95 % Wilson lower bound of the accuracy with the adapter reaches ``checks.min_accuracy``.
+
+    The accuracy is exact match, reported beside chance (one over the classes).
+    """
     metrics = judged.ref.metadata["metrics"]
     return lower_bound_check(
         "accuracy_adapter",
@@ -57,9 +63,12 @@ def adapter_accuracy_meets_threshold(judged: Judged) -> dg.AssetCheckResult:
 
 
 def adapter_gain_significant(judged: Judged) -> dg.AssetCheckResult:
-    """The adapter helps, beyond the evaluation's own noise: the 95 % paired-bootstrap interval of its gain
-    over the identity (accuracy with minus without it, on the same occluded images) lies above
-    ``checks.min_gain``. Beside it: the exact McNemar p-value and the discordant pairs."""
+    """Check that the adapter helps, beyond the evaluation's own noise.
+
+    The 95 % paired-bootstrap interval of its gain over the identity (accuracy with minus without it, on the same
+    occluded images) must lie above ``checks.min_gain``. Beside it: the exact McNemar p-value and the discordant
+    pairs.
+    """
     metrics, config = judged.ref.metadata["metrics"], judged.settings
     gain, low, high = metrics["adapter_gain"], metrics["adapter_gain_ci95_low"], metrics["adapter_gain_ci95_high"]
     n = int(metrics["num_samples"])
@@ -84,6 +93,7 @@ def adapter_gain_significant(judged: Judged) -> dg.AssetCheckResult:
 
 def build_report(step: Step) -> Built:
     # heavy imports only when building: a cache hit needs none of them
+    """Build the ``eval_report`` artifact: evaluate the trained adapter on the validation images, write the report."""
     from vlm_assets.data.occlusion_dataset import OcclusionSamples, class_names
     from vlm_assets.evaluate.occlusion_eval import evaluate
     from vlm_assets.evaluate.report import accuracy_png, data_uri, markdown_table, write_report
@@ -129,6 +139,8 @@ eval_report = memoized_asset(
 
 
 class RegisteredAdapterConfig(AssetConfig):
+    """Config of the ``registered_adapter`` asset: the registered model's name and alias."""
+
     model_name: str = Field(default="occlusion_adapter", min_length=1, description="MLflow registered model name.")
     alias: str = Field(default="champion", min_length=1, description="Alias pointed at this adapter's version.")
 

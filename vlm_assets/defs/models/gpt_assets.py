@@ -15,6 +15,8 @@ from vlm_assets.train.run_config import step_field
 
 
 class ValLossCheckConfig(ProfileDefaults, dg.Config):
+    """Settings of the ``gpt_checkpoint`` validation-loss check."""
+
     profile_key = "gpt_checkpoint.checks"
 
     min_val_loss_gain: float = Field(
@@ -25,8 +27,10 @@ class ValLossCheckConfig(ProfileDefaults, dg.Config):
 
 
 class GPTCheckpointConfig(dagster_config(PretrainConfig), TrainingConfig):
-    """``PretrainConfig`` as the asset's config: the same fields, constraints and defaults, and the
-    sections only the asset's step reads (checks, resources)."""
+    """``PretrainConfig`` as the asset's config, with the sections only the asset's step reads.
+
+    It has the same fields, constraints and defaults, plus checks and resources.
+    """
 
     profile_key = "gpt_checkpoint"
 
@@ -34,9 +38,11 @@ class GPTCheckpointConfig(dagster_config(PretrainConfig), TrainingConfig):
 
 
 def val_loss_beats_uniform(judged: Judged) -> dg.AssetCheckResult:
-    """Final validation loss is finite and at least ``checks.min_val_loss_gain`` nats below the loss of a
-    uniform predictor over the vocabulary (ln V = 10.82 for GPT-2 BPE). A run setting: changing it
-    judges the same checkpoint again, never retrains it."""
+    """Check that the final validation loss is finite and at least ``checks.min_val_loss_gain`` nats below uniform.
+
+    Uniform is the loss of a uniform predictor over the vocabulary (ln V = 10.82 for GPT-2 BPE). A run setting:
+    changing it judges the same checkpoint again, never retrains it.
+    """
     metrics, metadata = judged.ref.metadata["metrics"], judged.ref.metadata["metadata"]
     val_loss, uniform = metrics["val_loss"], math.log(metadata["vocab_size"])
     bound = uniform - judged.settings.min_val_loss_gain
@@ -48,9 +54,11 @@ def val_loss_beats_uniform(judged: Judged) -> dg.AssetCheckResult:
 
 
 def export_reproduces_val_loss(judged: Judged) -> dg.AssetCheckResult:
-    """The Hugging Face export, loaded with ``transformers`` alone (``GPT2LMHeadModel``), gives the
-    trainer's loss on a fixed validation batch (within 1e-3 nats). Measured when the artifact is
-    built; on a cache hit judged from that record after a size check (``defs/platform/checks.py``)."""
+    """Check that the Hugging Face export gives the trainer's loss on a fixed validation batch (within 1e-3 nats).
+
+    The export is loaded with ``transformers`` alone (``GPT2LMHeadModel``). Measured when the artifact is built; on
+    a cache hit judged from that record after a size check (``defs/platform/checks.py``).
+    """
     from vlm_assets.models.gpt_export import export_scan
 
     scanned, source = judged.scan(lambda root: export_scan(root, judged.upstream["token_shards"].uri))
@@ -64,8 +72,10 @@ def export_reproduces_val_loss(judged: Judged) -> dg.AssetCheckResult:
 
 
 def report(step: Step, values: dict) -> Built:
-    """What the GPT trainer wrote, for the registry of runs and the UI: the loss curve against the
-    uniform guess, the export's scan and the trainer's numbers."""
+    """Report what the GPT trainer wrote, for the registry of runs and the UI.
+
+    It shows the loss curve against the uniform guess, the export's scan and the trainer's numbers.
+    """
     from vlm_assets.evaluate.report import loss_curve_png
     from vlm_assets.models.gpt_export import export_scan
 

@@ -22,6 +22,8 @@ from vlm_assets.train.visualchat_config import VisualChatTrainConfig
 
 
 class VQACheckConfig(ProfileDefaults, dg.Config):
+    """Settings of the ``visualchat_model`` VQA check."""
+
     profile_key = "visualchat_model.checks"
 
     min_exact_match: float = threshold_field(
@@ -36,8 +38,11 @@ class DecoderAsset(UpstreamAsset):
 
 
 class VisualChatAssetConfig(dagster_config(VisualChatTrainConfig), TrainingConfig):
-    """``VisualChatTrainConfig`` as the asset's config: the same fields, constraints and defaults, and the
-    fields only the asset's step reads (checks, resources, which of the graph's models is the decoder)."""
+    """``VisualChatTrainConfig`` as the asset's config, with the fields only the asset's step reads.
+
+    It has the same fields, constraints and defaults, plus checks, resources and which of the graph's models is the
+    decoder.
+    """
 
     profile_key = "visualchat_model"
 
@@ -47,6 +52,7 @@ class VisualChatAssetConfig(dagster_config(VisualChatTrainConfig), TrainingConfi
     )
 
     def check_values(self) -> None:
+        """Refuse a config whose local decoder, encoder, chat datasets or image folder does not exist."""
         if self.decoder_asset is None:
             require_local(self.model.decoder, "config field model.decoder")
         if self.model.encoder is not None:  # efficientnet_lite0 takes a weights file, the others a directory
@@ -76,9 +82,11 @@ def eval_loss_beats_untrained(judged: Judged) -> dg.AssetCheckResult:
 
 
 def vqa_exact_match_meets_threshold(judged: Judged) -> dg.AssetCheckResult:
-    """The 95 % Wilson lower bound of the merged model's exact match on held-out clean images (asked the
-    template's prompt) reaches ``checks.min_exact_match``, beside chance (one over the
-    classes) and the exact match asked in held-out phrasings."""
+    """Check that the 95 % Wilson lower bound of the merged model's VQA exact match reaches ``checks.min_exact_match``.
+
+    The exact match is on held-out clean images (asked the template's prompt), reported beside chance (one over
+    the classes) and the exact match asked in held-out phrasings.
+    """
     metrics = judged.ref.metadata["metrics"]
     if "vqa_exact_match" not in metrics:
         return dg.AssetCheckResult(passed=False, description="not measured: eval_images is 0")
@@ -107,8 +115,10 @@ def merged_equals_unmerged(judged: Judged) -> dg.AssetCheckResult:
 
 
 def visualchat_inputs(step: Step) -> dict[str, str]:
-    """The manifests and the decoder (the in-graph GPT's export when the config names it); bad chat
-    records fail here (FILE:N), never retried."""
+    """Return the trainer's inputs: the manifests and the decoder (the in-graph GPT's export when the config names it).
+
+    Bad chat records fail here (FILE:N), never retried.
+    """
     config = step.config
     config.data.read_chat_datasets(sorted(config.data.chat_datasets), config.model.max_images)
     decoder = str(step.local(config.decoder_asset.value) / "hf") if config.decoder_asset else config.model.decoder
@@ -116,6 +126,7 @@ def visualchat_inputs(step: Step) -> dict[str, str]:
 
 
 def visualchat_report(step: Step, values: dict) -> Built:
+    """Report the VisualChat trainer's values: its numbers, the decoder, backend and dtype, and the report markdown."""
     return Built(
         metrics=numbers(values),
         metadata={"decoder": step.inputs["decoder"], **{k: values[k] for k in ("backend", "param_dtype")}},
@@ -170,6 +181,8 @@ def report_markdown(staging: Path, run: TrackedRun, config: VisualChatAssetConfi
 
 
 class RegisteredVisualChatConfig(AssetConfig):
+    """Config of the ``registered_visualchat`` asset: the registered model's name and alias."""
+
     model_name: str = Field(default="visualchat", min_length=1, description="MLflow registered model name.")
     alias: str = Field(default="champion", min_length=1, description="Alias pointed at this model's version.")
 

@@ -35,9 +35,11 @@ def artifact_scan(
 
 @dataclasses.dataclass(frozen=True)
 class Judged:
-    """What an asset's checks judge, inside the asset's own step: the artifact the step returns (built
-    now, or a cache hit), the ``checks`` section of the asset's config (its thresholds), the store,
-    and the upstream artifacts it was built from."""
+    """What an asset's checks judge, inside the asset's own step.
+
+    It holds the artifact the step returns (built now, or a cache hit), the ``checks`` section of the asset's
+    config (its thresholds), the store, and the upstream artifacts it was built from.
+    """
 
     ref: ArtifactRef
     settings: Any = None
@@ -45,14 +47,17 @@ class Judged:
     upstream: Mapping[str, ArtifactRef] = dataclasses.field(default_factory=dict)
 
     def scan(self, scan: Callable[[Path], dict[str, Any]]) -> tuple[dict[str, Any], str]:
+        """Return ``scan`` of the artifact and where that scan came from (``artifact_scan``)."""
         assert self.store is not None, "a scan needs the artifact store"
         return artifact_scan(self.ref, self.store, scan)
 
     def outcome(
         self, scan: Callable[[Path], dict[str, Any]], judge: Callable[[dict[str, Any]], Any]
     ) -> dg.AssetCheckResult:
-        """A data check: ``judge`` (a pure ``CheckOutcome``) of the artifact's scan, as Dagster's result;
-        ``warning`` outcomes do not block."""
+        """Run a data check: ``judge`` (a pure ``CheckOutcome``) of the artifact's scan, as Dagster's result.
+
+        ``warning`` outcomes do not block.
+        """
         scanned, source = self.scan(scan)
         outcome = judge(scanned)
         return dg.AssetCheckResult(
@@ -108,10 +113,12 @@ def lower_bound_check(
     also: str = "",
     **metadata: Any,
 ) -> dg.AssetCheckResult:
-    """A quality gate on an estimate's 95 % lower bound (a Wilson interval's): it passes when ``low``
-    reaches the threshold (``(its setting's name, its value)``); the description says the estimate, its
-    bound, ``n``, chance beside it, ``also`` (a related figure) and, under ``MIN_PAIRS``, that the
-    interval is too wide to mean much; the metadata carries the same as numbers, named after ``estimate``."""
+    """Return a quality gate on an estimate's 95 % lower bound (a Wilson interval's).
+
+    It passes when ``low`` reaches the threshold (``(its setting's name, its value)``); the description says the
+    estimate, its bound, ``n``, chance beside it, ``also`` (a related figure) and, under ``MIN_PAIRS``, that the
+    interval is too wide to mean much; the metadata carries the same as numbers, named after ``estimate``.
+    """
     name, bound = threshold
     return dg.AssetCheckResult(
         passed=bool(low >= bound),

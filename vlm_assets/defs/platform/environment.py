@@ -30,6 +30,7 @@ PROFILES = ("demo", "seed")
 
 
 def profile(env: Mapping[str, str] = os.environ) -> str:
+    """Return the active profile named by ``VLM_ASSETS_PROFILE`` (default ``demo``): a known profile or a YAML file."""
     name = env.get("VLM_ASSETS_PROFILE", "demo")
     if name not in PROFILES and not (name.endswith((".yaml", ".yml")) and Path(name).is_file()):
         raise ValueError(f"VLM_ASSETS_PROFILE={name!r}: expected one of {PROFILES}, or an existing .yaml file")
@@ -39,6 +40,7 @@ def profile(env: Mapping[str, str] = os.environ) -> str:
 def schedule_cron(env: Mapping[str, str] = os.environ) -> str:
     # Checked here with Dagster's own parser (not public API): Dagster rejects a bad cron only when
     # it builds the schedule, in an error that does not name the variable it came from.
+    """Return the schedule's cron string from ``VLM_ASSETS_SCHEDULE_CRON`` (default daily at 03:00), validated."""
     from dagster._utils.schedules import is_valid_cron_string
 
     cron = env.get("VLM_ASSETS_SCHEDULE_CRON", "0 3 * * *")
@@ -48,6 +50,7 @@ def schedule_cron(env: Mapping[str, str] = os.environ) -> str:
 
 
 def schedule_job(jobs: list[str], env: Mapping[str, str] = os.environ) -> str:
+    """Return the scheduled job's name from ``VLM_ASSETS_SCHEDULE_JOB`` (default ``main_job``), one of ``jobs``."""
     name = env.get("VLM_ASSETS_SCHEDULE_JOB", "main_job")
     if name not in jobs:
         raise ValueError(f"VLM_ASSETS_SCHEDULE_JOB={name!r}: expected one of {sorted(jobs)}")
@@ -63,6 +66,11 @@ def chunks_per_run(env: Mapping[str, str] = os.environ) -> int:
 
 
 def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.ConfigurableResource]:
+    """Build the resources ``env`` configures: ``artifact_store``, ``mlflow`` and ``launcher``.
+
+    ``VLM_ASSETS_STORE`` picks a local or S3 store; ``MLFLOW_TRACKING_URI`` the tracking store (default a SQLite
+    file under the home directory).
+    """
     home = home_dir()
     leases = {
         "on_busy": env.get("VLM_ASSETS_ON_BUSY", "wait"),
@@ -99,6 +107,10 @@ def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.Configura
 
 
 def launcher_for(env: Mapping[str, str] = os.environ) -> TrainingLauncher:
+    """Build the training launcher ``VLM_ASSETS_LAUNCHER`` names: local torchrun, or k8s.
+
+    For k8s, ``VLM_ASSETS_K8S_CONFIG`` may name a YAML file of launcher settings.
+    """
     kind = env.get("VLM_ASSETS_LAUNCHER", "local")
     if kind == "local":
         return LocalTorchrunLauncher()
@@ -126,6 +138,10 @@ def launcher_for(env: Mapping[str, str] = os.environ) -> TrainingLauncher:
 
 @dg.definitions
 def resources() -> dg.Definitions:
+    """Return the resources of the definitions, chosen from the environment.
+
+    On a persistent instance (``DAGSTER_HOME`` set) it also checks the training pool and reaps dead runs.
+    """
     import logging
 
     from vlm_assets.defs.platform.launcher import check_training_pool

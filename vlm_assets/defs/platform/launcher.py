@@ -31,8 +31,10 @@ TRAINING_POOL = "vlm_training"
 
 
 def check_training_pool(instance: dg.DagsterInstance) -> None:
-    """A limit below 1 on the training pool would queue every training step forever: refused when
-    the definitions load, naming the setting."""
+    """Refuse, when the definitions load, a training pool limit below 1, naming the setting.
+
+    Such a limit would queue every training step forever.
+    """
     limit = instance.event_log_storage.get_concurrency_info(TRAINING_POOL).limit
     if limit is not None and limit < 1:
         raise ValueError(
@@ -88,22 +90,30 @@ def _as_step_failure() -> Iterator[None]:
 
 
 class TrainingLauncher(dg.ConfigurableResource, ABC):
+    """A resource that runs a training ``LaunchSpec`` on its nodes and returns rank 0's Pipes reports."""
+
     @abstractmethod
     def launch(
         self, context: dg.AssetExecutionContext, spec: LaunchSpec, extras: dict[str, Any] | None = None
     ) -> list[dg.MaterializeResult]:
-        """Run ``spec`` to completion and return what rank 0 reported through Pipes. Raises a
-        retryable ``dg.Failure`` naming the failing node, its exit code and last lines."""
+        """Run ``spec`` to completion and return what rank 0 reported through Pipes.
+
+        Raises a retryable ``dg.Failure`` naming the failing node, its exit code and last lines.
+        """
 
     def delete_run_objects(self, run_id: str) -> list[str]:
-        """Delete what the launches of a failed Dagster run left running elsewhere (its names).
-        Local processes need nothing: they die with the step (``vlm_assets.launch.lifeline``)."""
+        """Delete what the launches of a failed Dagster run left running elsewhere; return their names.
+
+        Local processes need nothing: they die with the step (``vlm_assets.launch.lifeline``).
+        """
         return []
 
     def delete_leftovers(self, context: dg.AssetExecutionContext) -> None:
-        """Before a launch's scratch is made: delete what killed attempts left running elsewhere, which
-        would otherwise go on writing (checkpoints, and their launch folder back after it was swept).
-        Local processes need nothing (they died with their step)."""
+        """Delete what killed attempts left running elsewhere, before a launch's scratch is made.
+
+        Left alone, these would go on writing (checkpoints, and their launch folder back after it was swept).
+        Local processes need nothing (they died with their step).
+        """
 
 
 class LocalTorchrunLauncher(TrainingLauncher):
@@ -121,6 +131,7 @@ class LocalTorchrunLauncher(TrainingLauncher):
     def launch(
         self, context: dg.AssetExecutionContext, spec: LaunchSpec, extras: dict[str, Any] | None = None
     ) -> list[dg.MaterializeResult]:
+        """Run ``spec`` as local ``torchrun`` processes; return rank 0's Pipes reports."""
         with _pipes_session(
             context, extras, dg.PipesTempFileContextInjector(), dg.PipesTempFileMessageReader()
         ) as session:
@@ -163,11 +174,13 @@ def _die_with_orchestrator() -> None:
 
 
 def run_canceled(context: dg.AssetExecutionContext) -> bool:
-    """Whether the step's run is being terminated. Dagster's multiprocess executor interrupts its step
-    processes when a run is terminated; its in-process executor (every job's default) does not reach a step
-    that is waiting on its workers, and the run would end only after training: the launch asks, and
-    stops with Dagster's own interrupt. Dagster retries an interrupted step under its RetryPolicy
-    (in process, nothing stops the retry), so a memoized step asks first too (``memo``)."""
+    """Return whether the step's run is being terminated.
+
+    Dagster's multiprocess executor interrupts its step processes when a run is terminated; its in-process
+    executor (every job's default) does not reach a step that is waiting on its workers, and the run would end
+    only after training: the launch asks, and stops with Dagster's own interrupt. Dagster retries an interrupted
+    step under its RetryPolicy (in process, nothing stops the retry), so a memoized step asks first too (``memo``).
+    """
     run = context.instance.get_run_by_id(context.run.run_id)
     return run is not None and run.status in (dg.DagsterRunStatus.CANCELING, dg.DagsterRunStatus.CANCELED)
 
@@ -178,16 +191,22 @@ def _run_is_live(instance: dg.DagsterInstance, run_id: str) -> bool:
 
 
 class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
-    """One pod per node behind a headless Service (or one Indexed Job) in the training namespace;
-    torchrun's c10d rendezvous at pod 0 (``vlm_assets.launch.k8s``). Global rank 0 reports through
-    Pipes on its stderr; its messages are read from the pod logs that are streamed anyway, and every
-    pod's lines reach the step log prefixed by node. The config fields are ``PodSettings``'."""
+    """A launcher running one pod per node behind a headless Service (or one Indexed Job) in the training namespace.
+
+    torchrun's c10d rendezvous is at pod 0 (``vlm_assets.launch.k8s``). Global rank 0 reports through Pipes on
+    its stderr; its messages are read from the pod logs that are streamed anyway, and every pod's lines reach the
+    step log prefixed by node. The config fields are ``PodSettings``'.
+    """
 
     def settings(self) -> PodSettings:
+        """Return this launcher's ``PodSettings`` fields as a ``PodSettings``."""
         return PodSettings.model_validate(self.model_dump(include=set(PodSettings.model_fields)))
 
     def delete_run_objects(self, run_id: str) -> list[str]:
-        """The pods, Services and Jobs of a failed run (its step was killed before deleting them)."""
+        """Delete the pods, Services and Jobs of a failed run; return their names.
+
+        Its step was killed before it could delete them.
+        """
         from kubernetes import client
 
         from vlm_assets.launch.k8s import MANAGED_BY, api_client, delete_selected
@@ -201,9 +220,12 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
         )
 
     def delete_leftovers(self, context: dg.AssetExecutionContext) -> None:
-        """The pods of runs whose step was killed before it could delete them (Dagster marks such runs
-        failed: run monitoring, the dead-run reaper, or the lease's next holder), and those of an earlier
-        attempt of this step of this run (a step process killed under the RetryPolicy)."""
+        """Delete the pods that killed attempts left behind.
+
+        These are the pods of runs whose step was killed before it could delete them (Dagster marks such runs
+        failed: run monitoring, the dead-run reaper, or the lease's next holder), and those of an earlier attempt
+        of this step of this run (a step process killed under the RetryPolicy).
+        """
         from kubernetes import client
 
         from vlm_assets.launch.k8s import api_client, delete_orphans
@@ -223,6 +245,7 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
     def launch(
         self, context: dg.AssetExecutionContext, spec: LaunchSpec, extras: dict[str, Any] | None = None
     ) -> list[dg.MaterializeResult]:
+        """Run ``spec`` as one pod per node; return rank 0's Pipes reports, read from the pod logs."""
         from vlm_assets.launch.k8s import api_client, run_k8s
 
         settings = self.settings()

@@ -62,13 +62,15 @@ class AssetConfig(ProfileDefaults, Settings, dg.Config):
             ) from None
 
     def check_values(self) -> None:
-        """Checks that need the outside world (files, directories); override per asset."""
+        """Check the values that need the outside world (files, directories); override per asset."""
 
 
 @contextlib.contextmanager
 def bad_input_fails_fast() -> Iterator[None]:
-    """Errors a user caused (bad config, corrupt or missing input) fail the step without retries:
-    retrying cannot fix them. Anything else propagates and the asset's RetryPolicy applies."""
+    """Fail the step without retries on errors a user caused (bad config, corrupt or missing input).
+
+    Retrying cannot fix them. Anything else propagates and the asset's RetryPolicy applies.
+    """
     try:
         yield
     except (ValueError, FileNotFoundError) as err:
@@ -77,9 +79,12 @@ def bad_input_fails_fast() -> Iterator[None]:
 
 @dataclasses.dataclass
 class Built:
-    """What an asset's build step reports: numbers for MLflow and Dagster, extra Dagster metadata,
-    markdown (tables, inlined images) for the Dagster UI, and the content scan its checks judge
-    (committed in the manifest: see ``vlm_assets.defs.platform.checks``)."""
+    """What an asset's build step reports.
+
+    It holds numbers for MLflow and Dagster, extra Dagster metadata, markdown (tables, inlined images) for the
+    Dagster UI, and the content scan its checks judge (committed in the manifest: see
+    ``vlm_assets.defs.platform.checks``).
+    """
 
     metrics: dict[str, float]
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -88,6 +93,10 @@ class Built:
 
 
 def artifact_key(context: dg.AssetExecutionContext, config: dg.Config, upstream: Mapping[str, ArtifactRef]) -> str:
+    """Return this asset's artifact key: its name, then a cache key of its code version, config and upstream.
+
+    The upstream part is the data versions of the ``upstream`` artifacts (``vlm_assets.memo.cache_key``).
+    """
     name = context.asset_key.to_user_string()
     code_version = context.assets_def.code_versions_by_key[context.asset_key] or ""
     versions = {k: ref.data_version for k, ref in upstream.items()}
@@ -95,13 +104,15 @@ def artifact_key(context: dg.AssetExecutionContext, config: dg.Config, upstream:
 
 
 class UpstreamAsset(enum.Enum):
-    """The type of a config field that may name an asset of this graph to read (its members are asset names):
-    ``decoder_asset: DecoderAsset | None``. ``memoized_asset`` makes each member a ``deps`` edge and reads
-    the named asset's artifact when the field is set, so the choice is declared once, by the config."""
+    """The type of a config field that may name an asset of this graph to read; its members are asset names.
+
+    Example: ``decoder_asset: DecoderAsset | None``. ``memoized_asset`` makes each member a ``deps`` edge and reads
+    the named asset's artifact when the field is set, so the choice is declared once, by the config.
+    """
 
 
 def upstream_choices(config_type: type) -> dict[str, type[UpstreamAsset]]:
-    """The config's fields typed ``<UpstreamAsset> | None``: field name -> its enum."""
+    """Return the config's fields typed ``<UpstreamAsset> | None``: field name -> its enum."""
     return {
         name: arg
         for name, field in config_type.model_fields.items()
@@ -111,9 +122,12 @@ def upstream_choices(config_type: type) -> dict[str, type[UpstreamAsset]]:
 
 
 def upstream_ref(context: dg.AssetExecutionContext, store: ArtifactStore, asset: str) -> ArtifactRef:
-    """How an asset reads an upstream it names in ``deps`` (an edge it reads only when its config says
-    so): the artifact of ``asset``'s materialization in this run if it has one, else of its latest.
-    (This run's first: another run may have materialized ``asset`` with another config meanwhile.)"""
+    """Return the artifact an asset reads from ``asset``, an upstream it names in ``deps``.
+
+    Such an edge is read only when the asset's config says so. The artifact is that of ``asset``'s
+    materialization in this run if it has one, else of its latest. (This run's first: another run may have
+    materialized ``asset`` with another config meanwhile.)
+    """
     asset_key = dg.AssetKey(asset)
     in_run = [
         entry
@@ -132,8 +146,10 @@ def upstream_ref(context: dg.AssetExecutionContext, store: ArtifactStore, asset:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One build of a memoized asset, as its build function sees it: the artifact's ``key``, the empty
-    ``staging`` folder it fills and the MLflow ``run`` it logs to."""
+    """One build of a memoized asset, as its build function sees it.
+
+    It holds the artifact's ``key``, the empty ``staging`` folder it fills and the MLflow ``run`` it logs to.
+    """
 
     context: dg.AssetExecutionContext
     config: Any
@@ -165,13 +181,15 @@ def memoized_asset(
     resolve: Callable[[dg.AssetExecutionContext, Any, ArtifactStore], dict[str, ArtifactRef]] | None = None,
     **asset_args: Any,
 ) -> dg.AssetsDefinition:
-    """An asset named ``name`` whose body is ``build(step)``, memoized (``materialize_memoized``): it reads
-    the artifacts of ``ins`` (inputs named after their assets) and of the asset an ``UpstreamAsset`` field
-    of its config names, when set (each member a ``deps`` edge, so an asset that does not read it neither
-    waits for it nor rebuilds when it changes); ``checks`` run in its step; ``build`` finds the
-    ``resources`` it names (beside the artifact store and MLflow) on its context. ``deps``: edges read
-    through ``resolve(context, config, store)``, which returns more upstream artifacts by name (all the
-    partitions of a partitioned asset). ``asset_args`` go to ``dg.asset``."""
+    """Define an asset named ``name`` whose body is ``build(step)``, memoized (``materialize_memoized``).
+
+    It reads the artifacts of ``ins`` (inputs named after their assets) and of the asset an ``UpstreamAsset``
+    field of its config names, when set (each member a ``deps`` edge, so an asset that does not read it neither
+    waits for it nor rebuilds when it changes); ``checks`` run in its step; ``build`` finds the ``resources`` it
+    names (beside the artifact store and MLflow) on its context. ``deps``: edges read through
+    ``resolve(context, config, store)``, which returns more upstream artifacts by name (all the partitions of a
+    partitioned asset). ``asset_args`` go to ``dg.asset``.
+    """
     choices = upstream_choices(config_type)
 
     @dg.asset(
@@ -230,11 +248,13 @@ def materialize_memoized(
     store: ArtifactStore | None = None,
     interrupt_when_canceled: bool = True,
 ) -> Iterator[Any]:
-    """The step's events: the artifact (a cache hit, or built and committed), then ``checks`` on it,
-    judged with the config's ``checks`` section (declare them with ``check_specs``). ``key`` and
-    ``store``: the artifact's key (``artifact_key``) and the resource's store when the caller has them
-    already. ``interrupt_when_canceled``: interrupt the build when its run is terminated (off for a
-    launch, which asks itself and stops its workers or pods in order)."""
+    """Yield the step's events: the artifact (a cache hit, or built and committed), then ``checks`` on it.
+
+    The checks are judged with the config's ``checks`` section (declare them with ``check_specs``). ``key`` and
+    ``store``: the artifact's key (``artifact_key``) and the resource's store when the caller has them already.
+    ``interrupt_when_canceled``: interrupt the build when its run is terminated (off for a launch, which asks
+    itself and stops its workers or pods in order).
+    """
     step = _Memoized(
         context, artifact_store, store or artifact_store.get_store(), mlflow, config, build, upstream or {}
     )

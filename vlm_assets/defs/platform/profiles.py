@@ -29,8 +29,10 @@ PROFILE_DIR = Path(__file__).resolve().parents[2] / "profiles"  # package data t
 
 
 def profile_defaults(name: str) -> dict[str, dict[str, Any]]:
-    """Asset name (``<asset>.checks`` for its checks section) -> field defaults of the profile: none for
-    ``seed``, ``vlm_assets/profiles/demo.yaml`` for ``demo``, else the YAML file ``name`` (same shape)."""
+    """Return the field defaults of profile ``name`` by asset name (``<asset>.checks`` for its checks section).
+
+    None for ``seed``, ``vlm_assets/profiles/demo.yaml`` for ``demo``, else the YAML file ``name`` (same shape).
+    """
     if name == "seed":
         return {}
     path = PROFILE_DIR / f"{name}.yaml" if name == "demo" else Path(name)
@@ -113,8 +115,10 @@ def _patch_defaults(
 
 
 class ProfileDefaults(pydantic.BaseModel):
-    """Mixed into asset and check configs: the active profile's values under ``profile_key`` become the
-    field defaults."""
+    """A config mixin: the active profile's values under ``profile_key`` become the field defaults.
+
+    Mixed into asset and check configs.
+    """
 
     profile_key: ClassVar[str | None] = None  # the asset's name, or "<asset>.checks"
 
@@ -162,8 +166,10 @@ class ProfileDefaults(pydantic.BaseModel):
 
 
 def check_profile_claimed() -> None:
-    """Every key of the active profile names a config that claims it: a misspelt or renamed asset fails
-    the load instead of silently dropping its profile."""
+    """Check that every key of the active profile names a config that claims it.
+
+    A misspelt or renamed asset fails the load instead of silently dropping its profile.
+    """
     if unclaimed := sorted(set(profile_defaults(profile())) - _CLAIMED):
         claimed = ", ".join(sorted(_CLAIMED))
         raise ValueError(f"profile {profile()!r}: no asset config claims {', '.join(unclaimed)} (claimed: {claimed})")

@@ -27,8 +27,10 @@ from vlm_assets.storage.lease import LeaseState
 
 
 def fail_dead_run(instance: dg.DagsterInstance, dead: LeaseState, by: str, log: Callable[[str], None]) -> bool:
-    """Mark the Dagster run that held the expired lease ``dead`` failed and free its pool slots, if
-    it is still marked in progress; True when it was."""
+    """Mark failed the Dagster run that held the expired lease ``dead`` and free its pool slots.
+
+    Only a run still marked in progress is touched; return True when it was.
+    """
     run_id = dead.holder.get("run_id")
     run = instance.get_run_by_id(run_id) if run_id else None
     if run is None or run.is_finished:
@@ -46,6 +48,7 @@ def fail_dead_run(instance: dg.DagsterInstance, dead: LeaseState, by: str, log: 
 def reap_dead_runs(
     instance: dg.DagsterInstance, store: ArtifactStore, ttl_s: float, log: Callable[[str], None]
 ) -> list[str]:
+    """Fail the Dagster runs whose store lease has expired past ``ttl_s``; return their run ids."""
     return [
         lease.holder["run_id"]
         for lease in store.list_leases()
@@ -56,7 +59,7 @@ def reap_dead_runs(
 def reap_on_load(
     instance: dg.DagsterInstance, store_resource: ArtifactStoreResource, log: Callable[[str], None]
 ) -> None:
-    """At code location load, on a persistent instance (DAGSTER_HOME); never fails the load."""
+    """Reap dead runs at code location load, on a persistent instance (DAGSTER_HOME); never fail the load."""
     try:
         # Outside a run its EnvVar fields (S3 credentials) are resolved only by initializing it.
         store_resource = store_resource.process_config_and_initialize()
@@ -67,7 +70,7 @@ def reap_on_load(
 
 @dg.sensor(minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING)
 def dead_run_reaper(context: dg.SensorEvaluationContext, artifact_store: ArtifactStoreResource):
-    """Marks failed the runs whose training or build step was killed outright, and frees their pool slots."""
+    """Mark failed the runs whose training or build step was killed outright, and free their pool slots."""
     reaped = reap_dead_runs(
         context.instance, artifact_store.get_store(), artifact_store.lease_ttl_s, context.log.warning
     )
@@ -78,9 +81,10 @@ def dead_run_reaper(context: dg.SensorEvaluationContext, artifact_store: Artifac
 def killed_run_tracking(
     context: dg.RunFailureSensorContext, mlflow: MlflowTrackingResource, launcher: TrainingLauncher
 ):
-    """A failed run's MLflow runs still RUNNING were left by a process killed outright (a step that
-    fails normally ends its own run FAILED): they end KILLED. Training pods it left (k8s launcher)
-    are deleted."""
+    """End KILLED a failed run's MLflow runs still RUNNING, and delete the training pods it left (k8s launcher).
+
+    Such MLflow runs were left by a process killed outright (a step that fails normally ends its own run FAILED).
+    """
     run_id = context.dagster_run.run_id
     if killed := mlflow.end_orphaned_runs(dagster_run_id=run_id):
         context.log.warning(f"ended MLflow run(s) {', '.join(killed)} of run {run_id} as KILLED")

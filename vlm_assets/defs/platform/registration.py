@@ -29,11 +29,13 @@ def registered_model_asset(
     code_version: str = "1",
     deps: list[Any] | None = None,
 ) -> dg.AssetsDefinition:
-    """An asset named ``name`` that registers ``source``'s artifact as ``config.model_name`` with
-    ``config.alias`` pointed at it: ``weights_sha256(files of the manifest)`` identifies the model;
-    the module ``pyfunc``'s ``log_model(MLflow run id, artifact dir, tracking uri)`` logs the model into a
-    new MLflow run (imported then: a cache hit never loads MLflow's pyfunc or torch), only when no
-    version of that name carries the sha256 yet. ``card`` is the registered model's description."""
+    """Define an asset named ``name`` that registers ``source``'s artifact as ``config.model_name``.
+
+    ``config.alias`` is pointed at the registered version. ``weights_sha256(files of the manifest)`` identifies
+    the model; the module ``pyfunc``'s ``log_model(MLflow run id, artifact dir, tracking uri)`` logs the model
+    into a new MLflow run (imported then: a cache hit never loads MLflow's pyfunc or torch), only when no version
+    of that name carries the sha256 yet. ``card`` is the registered model's description.
+    """
 
     @dg.asset(
         name=name,

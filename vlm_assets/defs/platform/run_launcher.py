@@ -41,8 +41,10 @@ def run_worker(instance: dg.DagsterInstance, run_id: str) -> tuple[int, float] |
 
 
 def launched_on_this_host(run: dg.DagsterRun) -> bool:
-    """The run's worker was started by a code server on this host (a local socket, or a loopback or
-    own host name in the gRPC info tag ``DefaultRunLauncher`` records)."""
+    """Return whether the run's worker was started by a code server on this host.
+
+    That is a local socket, or a loopback or own host name, in the gRPC info tag ``DefaultRunLauncher`` records.
+    """
     info = json.loads(run.tags.get(GRPC_INFO_TAG) or "{}")
     if not info:
         return False
@@ -56,6 +58,10 @@ def launched_on_this_host(run: dg.DagsterRun) -> bool:
 
 
 def worker_health(instance: dg.DagsterInstance, run: dg.DagsterRun) -> CheckRunHealthResult:
+    """Judge whether the run's worker process is still alive; a worker not launched here is reported running.
+
+    A recorded pid that is gone, or reused by a process started later, means the worker was killed.
+    """
     if not launched_on_this_host(run):  # nothing to judge from here: not reported as a failure
         return CheckRunHealthResult(WorkerStatus.RUNNING, "not launched on this host; not checked")
     worker = run_worker(instance, run.run_id)
@@ -79,7 +85,9 @@ class LocalRunLauncher(DefaultRunLauncher):
 
     @property
     def supports_check_run_worker_health(self) -> bool:
+        """Whether this launcher checks run worker health: always."""
         return True
 
     def check_run_worker_health(self, run: dg.DagsterRun) -> CheckRunHealthResult:
+        """Judge the run's worker process with ``worker_health``."""
         return worker_health(self._instance, run)

@@ -10,8 +10,11 @@ from vlm_assets.storage import ArtifactStore, LocalArtifactStore, S3ArtifactStor
 
 
 class ArtifactStoreResource(dg.ConfigurableResource, ABC):
-    """Where assets commit their artifacts (atomically; see ``vlm_assets.storage``), and how a second
-    materialization of a key that another live attempt is building behaves (store leases)."""
+    """A resource naming where assets commit their artifacts, and how a busy key is handled.
+
+    Artifacts are committed atomically (see ``vlm_assets.storage``); ``on_busy`` and the lease settings say how a
+    second materialization of a key that another live attempt is building behaves (store leases).
+    """
 
     on_busy: Literal["wait", "fail"] = Field(
         default="wait",
@@ -29,20 +32,25 @@ class ArtifactStoreResource(dg.ConfigurableResource, ABC):
     )
 
     @abstractmethod
-    def get_store(self) -> ArtifactStore: ...
+    def get_store(self) -> ArtifactStore:
+        """Return the ``ArtifactStore`` this resource configures."""
 
     @abstractmethod
     def spec(self) -> dict[str, Any]:
-        """The store as a JSON-able dict for worker processes (``vlm_assets.storage.spec``)."""
+        """Return the store as a JSON-able dict for worker processes (``vlm_assets.storage.spec``)."""
 
 
 class LocalArtifactStoreResource(ArtifactStoreResource):
+    """An artifact store resource on the local filesystem."""
+
     root: str = Field(description="Directory holding all artifacts (embedded default: var/artifacts).")
 
     def get_store(self) -> ArtifactStore:
+        """Return a ``LocalArtifactStore`` at ``root``."""
         return LocalArtifactStore(self.root)
 
     def spec(self) -> dict[str, Any]:
+        """Return the store as a JSON-able dict: its kind and resolved root."""
         return {"kind": "local", "root": str(LocalArtifactStore(self.root).root)}
 
 
@@ -63,6 +71,7 @@ class S3ArtifactStoreResource(ArtifactStoreResource):
     aws_secret_access_key: str | None = Field(default=None, description="Secret key (dg.EnvVar); empty: boto3's chain.")
 
     def get_client(self):
+        """Return a boto3 S3 client for this resource's endpoint, region and credentials."""
         import boto3
 
         return boto3.client(
@@ -74,9 +83,11 @@ class S3ArtifactStoreResource(ArtifactStoreResource):
         )
 
     def get_store(self) -> ArtifactStore:
+        """Return an ``S3ArtifactStore`` on ``bucket``/``prefix`` with its local ``cache_dir``."""
         return S3ArtifactStore(self.get_client(), self.bucket, self.prefix, cache_dir=self.cache_dir)
 
     def spec(self) -> dict[str, Any]:
+        """Return the store as a JSON-able dict: bucket, prefix, cache directory, endpoint and region."""
         return {
             "kind": "s3",
             "bucket": self.bucket,

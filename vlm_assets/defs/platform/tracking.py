@@ -48,23 +48,28 @@ class TrackedRun:
         self.run_id = run_id
 
     def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log ``params``, flattened, as this run's parameters (each value cut to 6000 characters)."""
         from mlflow.entities import Param
 
         flat = flatten(params)
         self.client.log_batch(self.run_id, params=[Param(k, v[:6000]) for k, v in flat.items()])
 
     def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
+        """Log ``metrics`` on this run at ``step``, all stamped with the current time."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        """Log the file at ``path`` as an artifact of this run, under ``artifact_path`` if given."""
         self.client.log_artifact(self.run_id, path, artifact_path)
 
     def log_image(self, path: Path, alt: str) -> str:
-        """Log the PNG file at ``path`` as an artifact of this run; return it as an inline Markdown image
-        (``Built.markdown``: the Dagster UI shows it beside the asset)."""
+        """Log the PNG file at ``path`` as an artifact of this run; return it as an inline Markdown image.
+
+        The Markdown goes to ``Built.markdown``: the Dagster UI shows it beside the asset.
+        """
         self.log_artifact(str(path))
         return f"![{alt}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
 
@@ -81,6 +86,10 @@ class MlflowTrackingResource(dg.ConfigurableResource):
     _client: Any = PrivateAttr(default=None)
 
     def client(self):
+        """Return this resource's ``MlflowClient``, created on first use.
+
+        Creating it creates or migrates the tracking store, under a lock for a SQLite store.
+        """
         if self._client is None:
             from mlflow.tracking import MlflowClient
 
@@ -92,8 +101,10 @@ class MlflowTrackingResource(dg.ConfigurableResource):
 
     @contextlib.contextmanager
     def registry_errors(self) -> Iterator[None]:
-        """A tracking server or registry that cannot be reached fails the step naming its URI
-        (retryable: the next attempt asks the registry again and registers at most once)."""
+        """Fail the step naming the tracking URI when the tracking server or registry cannot be reached.
+
+        The failure is retryable: the next attempt asks the registry again and registers at most once.
+        """
         from mlflow.exceptions import MlflowException
         from requests.exceptions import RequestException
 
@@ -106,6 +117,7 @@ class MlflowTrackingResource(dg.ConfigurableResource):
             ) from err
 
     def experiment_id(self) -> str:
+        """Return the id of the experiment ``experiment_name``, creating it if missing."""
         client = self.client()
         experiment = client.get_experiment_by_name(self.experiment_name)
         if experiment is not None:
@@ -114,9 +126,11 @@ class MlflowTrackingResource(dg.ConfigurableResource):
 
     @contextlib.contextmanager
     def start_run(self, run_name: str, tags: Mapping[str, str] | None = None) -> Iterator[TrackedRun]:
-        """A run that ends FINISHED, FAILED if the block raises, KILLED if it is interrupted (SIGTERM,
-        SIGINT, the Dagster run terminated). A process killed outright cannot end its run: the next
-        attempt at the key does (``end_orphaned_runs``)."""
+        """Start an MLflow run for the block; end it FINISHED, FAILED if the block raises, KILLED if interrupted.
+
+        Interrupted means SIGTERM, SIGINT or the Dagster run terminated. A process killed outright cannot end its
+        run: the next attempt at the key does (``end_orphaned_runs``).
+        """
         client = self.client()
         run = client.create_run(self.experiment_id(), run_name=run_name, tags=dict(tags or {}))
         tracked = TrackedRun(client, run.info.run_id)
@@ -131,9 +145,11 @@ class MlflowTrackingResource(dg.ConfigurableResource):
         client.set_terminated(run.info.run_id, status="FINISHED")
 
     def end_orphaned_runs(self, *, cache_key: str | None = None, dagster_run_id: str | None = None) -> list[str]:
-        """End as KILLED the runs of ``cache_key`` (or of a Dagster run) still RUNNING: their process
-        died without ending them. Called by the holder of the key's lease (so none of them is
-        alive), or once the Dagster run is marked failed (``vlm_assets.defs.platform.reaper``)."""
+        """End as KILLED the runs of ``cache_key`` (or of a Dagster run) still RUNNING; return their ids.
+
+        Their process died without ending them. Called by the holder of the key's lease (so none of them is
+        alive), or once the Dagster run is marked failed (``vlm_assets.defs.platform.reaper``).
+        """
         if (cache_key is None) == (dagster_run_id is None):
             raise ValueError("end_orphaned_runs: give exactly one of cache_key and dagster_run_id")
         tag, value = ("vlm_assets.cache_key", cache_key) if cache_key else ("dagster.run_id", dagster_run_id)

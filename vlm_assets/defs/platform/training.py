@@ -28,8 +28,10 @@ TRAINING_RETRY = dg.RetryPolicy(max_retries=2, delay=2)
 
 
 class PodResources(dg.Config):
-    """What each node of a training job asks of a cluster: the k8s launcher's pod resources (the local
-    launcher ignores them). Only the launcher reads them: never in the run file, never in the key."""
+    """What each node of a training job asks of a cluster: the k8s launcher's pod resources.
+
+    The local launcher ignores them. Only the launcher reads them: never in the run file, never in the key.
+    """
 
     gpus_per_node: int = Field(
         default=0, ge=0, description="GPUs each node's pod requests (nvidia.com/gpu); 0: a CPU pod."
@@ -58,10 +60,12 @@ class PodResources(dg.Config):
 
 
 def dagster_config(config: type[RunConfig]) -> type:
-    """A trainer's config as Dagster config: the same fields, constraints and defaults, each section a
-    ``dg.Config`` twin of the engine's section (Dagster nests only ``Config`` classes in its schema, and
-    the engine may not import dagster). Every call makes its own twins, so a profile's defaults patched
-    into one asset's sections stay that asset's."""
+    """Return a trainer's config as Dagster config: the same fields, constraints and defaults.
+
+    Each section is a ``dg.Config`` twin of the engine's section (Dagster nests only ``Config`` classes in its
+    schema, and the engine may not import dagster). Every call makes its own twins, so a profile's defaults
+    patched into one asset's sections stay that asset's.
+    """
 
     def twin(model: type[Settings]) -> type:
         sections = {
@@ -99,10 +103,12 @@ def training_asset(
     description: str,
     on_failure: Callable[[Step, dg.Failure], dict[str, Any]] | None = None,
 ) -> dg.AssetsDefinition:
-    """A training asset named ``name`` (a ``memoized_asset`` reading ``source``, in the training pool):
-    launches ``trainer`` (a module run by ``entry_point`` on every process) on ``inputs(step)``, and
-    commits what ``finish(step, values)`` reports; ``values`` is the trainer's Pipes report.
-    ``on_failure`` may turn a failed launch into values (or raise)."""
+    """Define a training asset named ``name``: a ``memoized_asset`` reading ``source``, in the training pool.
+
+    It launches ``trainer`` (a module run by ``entry_point`` on every process) on ``inputs(step)``, and commits
+    what ``finish(step, values)`` reports; ``values`` is the trainer's Pipes report. ``on_failure`` may turn a
+    failed launch into values (or raise).
+    """
 
     def build(step: Step) -> Built:
         step = dataclasses.replace(step, inputs=inputs(step))
@@ -131,10 +137,12 @@ def training_asset(
 
 
 def launch_trainer(step: Step, module: str) -> dict[str, Any]:
-    """The training asset's launch: the run file (the config + ``RunPaths``: the resolved inputs, the
-    staging folder as the output, checkpoints under ``checkpoints/<key>`` in the artifact store, the
-    asset's MLflow run) in a scratch folder, ``module`` launched on the config's topology by the
-    ``launcher`` resource, and the trainer's one Pipes report returned as plain values."""
+    """Launch ``module`` for a training asset's step; return the trainer's one Pipes report as plain values.
+
+    The run file (the config + ``RunPaths``: the resolved inputs, the staging folder as the output, checkpoints
+    under ``checkpoints/<key>`` in the artifact store, the asset's MLflow run) is written in a scratch folder, and
+    ``module`` is launched on the config's topology by the ``launcher`` resource.
+    """
     from vlm_assets.paths import runs_dir
     from vlm_assets.storage.scratch import held_dir
     from vlm_assets.train.run_config import RunPaths, write_run_file
