@@ -70,6 +70,7 @@ def test_tarball_missing_members_is_named(tmp_path):
         load_cifar10_tarball(path)
 
 
+@pytest.mark.slow  # reads the whole Fashion-MNIST idx files
 def test_truncated_idx_file_names_the_file(offline_data, tmp_path):
     raw = gzip.decompress((offline_data / "fashion-mnist" / "t10k-images-idx3-ubyte.gz").read_bytes())
     bad = tmp_path / "t10k-images-idx3-ubyte.gz"

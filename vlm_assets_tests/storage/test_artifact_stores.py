@@ -187,6 +187,7 @@ def test_lease_one_holder_named_renewed_released(store):
     second.release()
 
 
+@pytest.mark.slow  # waits out a holder's work, twice
 def test_a_busy_lease_fails_naming_its_holder_or_waits_until_the_work_is_done_or_released(store):
     first = store.lease("asset/w", holder_record("run-a"), ttl_s=8)
     assert first.try_acquire() is None

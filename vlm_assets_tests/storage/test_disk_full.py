@@ -61,6 +61,7 @@ PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # fills a small file system of its own
 def test_a_full_disk_names_the_write_and_the_disk_and_leaves_nothing_partial(tmp_path):
     small, big = tmp_path / "small", tmp_path / "big"
     small.mkdir()
