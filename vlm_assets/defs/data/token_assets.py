@@ -19,11 +19,11 @@ from vlm_assets.defs.platform.memo import (
     AssetConfig,
     Built,
     Step,
+    artifact_key,
     bad_input_fails_fast,
     memoized_asset,
     memoized_partition,
 )
-from vlm_assets.memo import cache_key
 from vlm_assets.storage import ArtifactNotFoundError, ArtifactRef, ArtifactStore
 from vlm_assets.train.run_config import run_field
 
@@ -275,7 +275,6 @@ def _token_chunks(
     """Build or reuse each partition of the run (memoized per chunk); a bad chunk fails alone."""
     from vlm_assets.data.token_chunks import chunk_path, content_version
 
-    code_version = context.assets_def.code_versions_by_key[context.asset_key] or ""
     built: dict[str, tuple[ArtifactRef, str]] = {}
     bad: dict[str, str] = {}
     for partition in context.partition_keys:
@@ -283,8 +282,8 @@ def _token_chunks(
             with bad_input_fails_fast():
                 config.check_values()
                 path = chunk_path(config.source_dir, partition)
-                identity = {**config.identity(), "chunk": partition, "content_sha256": content_version(path)}
-            key = f"token_chunks/{cache_key('token_chunks', code_version, identity, {})}"
+                chunk = {"chunk": partition, "content_sha256": content_version(path)}
+            key = artifact_key(context, config, {}, chunk)
             built[partition] = memoized_partition(
                 context, config, key, lambda staging, run, path=path: build_chunk(context, config, path, staging)
             )

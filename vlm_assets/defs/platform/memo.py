@@ -92,15 +92,21 @@ class Built:
     scan: dict[str, Any] | None = None
 
 
-def artifact_key(context: dg.AssetExecutionContext, config: dg.Config, upstream: Mapping[str, ArtifactRef]) -> str:
+def artifact_key(
+    context: dg.AssetExecutionContext,
+    config: dg.Config,
+    upstream: Mapping[str, ArtifactRef],
+    identity: Mapping[str, Any] | None = None,
+) -> str:
     """Return this asset's artifact key: its name, then a cache key of its code version, config and upstream.
 
-    The upstream part is the data versions of the ``upstream`` artifacts (``vlm_assets.memo.cache_key``).
+    The upstream part is the data versions of the ``upstream`` artifacts (``vlm_assets.memo.cache_key``);
+    ``identity`` adds fields to the config's identity (a partition's key and content version).
     """
     name = context.asset_key.to_user_string()
     code_version = context.assets_def.code_versions_by_key[context.asset_key] or ""
     versions = {k: ref.data_version for k, ref in upstream.items()}
-    return f"{name}/{cache_key(name, code_version, config.identity(), versions)}"
+    return f"{name}/{cache_key(name, code_version, {**config.identity(), **(identity or {})}, versions)}"
 
 
 class UpstreamAsset(enum.Enum):
