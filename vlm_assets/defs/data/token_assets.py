@@ -211,7 +211,7 @@ token_shards = memoized_asset(
     with ``vlm_assets.data.token_stream.build_token_dataloaders``.""",
     config_type=TokenShardsConfig,
     build=build_shards,
-    code_version="2",  # 2: the hash split and the padded last block
+    code_version="2",
     checks=(token_ids_within_vocab, token_counts_match_summary, every_shard_readable),
     kinds={"python", "mosaicml"},
     group_name="data",
