@@ -238,20 +238,27 @@ def parse_fault(text: str) -> Fault:
 
 
 def failure_causes(events: list, asset: str = "gpt_checkpoint") -> list[str]:
-    """The retry rule's cause of each failed attempt of ``asset`` in a Dagster run's events, in order
-    (the launcher's failure ends with ``(<cause>: retried; ...)``); an error of the step process itself
-    (the final commit's upload, say), which no launcher read, as ``step:<its exception class>``."""
+    """The retry rule's cause of each failed step attempt in a Dagster run's events, in order.
+
+    The launcher's failure ends with ``(<cause>: retried; ...)``; an error of the step process itself (the
+    final commit's upload, say), which no launcher read, is ``step:<its exception class>``. A failure of a
+    step other than ``asset`` (its upstream) is prefixed with that step's name.
+    """
     import re
 
     causes = []
-    for event in events:
-        if event.step_key == asset and event.event_type_value in ("STEP_UP_FOR_RETRY", "STEP_FAILURE"):
-            data = event.event_specific_data
-            error = getattr(data, "error", None)
-            text = error.to_string() if error is not None else ""
-            found = re.findall(r"\((\w+): (?:retried|not retried);", text)
-            causes.append(found[-1] if found else f"step:{getattr(error, 'cls_name', None) or 'unknown'}")
+    for event in failure_events(events):
+        error = getattr(event.event_specific_data, "error", None)
+        text = error.to_string() if error is not None else ""
+        found = re.findall(r"\((\w+): (?:retried|not retried);", text)
+        cause = found[-1] if found else f"step:{getattr(error, 'cls_name', None) or 'unknown'}"
+        causes.append(cause if event.step_key == asset else f"{event.step_key}:{cause}")
     return causes
+
+
+def failure_events(events: list) -> list:
+    """The events of a Dagster run's failed step attempts (retried or not), in order."""
+    return [e for e in events if e.step_key and e.event_type_value in ("STEP_UP_FOR_RETRY", "STEP_FAILURE")]
 
 
 KILLS = ("worker", "agent", "step", "run-worker", *POD_KINDS)
@@ -731,6 +738,11 @@ class Soak:
             "retries": retries,
             "relaunches": relaunches,
             "causes": causes,
+            # each failed step attempt's error, its first lines: what a cause alone does not say
+            "errors": [
+                error.message[:600] if (error := getattr(e.event_specific_data, "error", None)) else "?"
+                for e in failure_events(events)
+            ],
             "resumed_from_step": meta.get("resumed_from_step"),
             "metric": target.metric,
             "loss": meta.get(target.metric),
