@@ -1,0 +1,73 @@
+"""The EfficientNet-Lite0 encoder's forward in torch's default (NCHW) layout against channels-last, in one run.
+
+    python bench/bench_encoder.py [--batch 50] [--repeats 5] [--write]
+
+The encoder is the demo's (the packaged ImageNet weights, eval mode, no grad): most of ``eval_report``'s
+time (three forwards of each validation image) and of VisualChat's first epochs (features computed once
+per image, then cached). Each layout runs ``--repeats`` times, alternating, on the same random batch;
+the best time of each is reported, their ratio, and the largest difference of the features (the two
+layouts sum in different orders).
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_file  # noqa: E402
+
+from vlm_assets.models.vision_encoders import EfficientNetLite0Encoder  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=50, help="images per forward (eval_report's batch_size)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--write", action="store_true", help="write bench/results/encoder_<machine>_<date>.*")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    encoder = EfficientNetLite0Encoder().eval()  # the platform's forward: channels-last pixels
+
+    def nchw(pixels: torch.Tensor) -> torch.Tensor:  # the same network on pixels in the default layout
+        return encoder.net.extract_features(encoder.normalize(pixels)).flatten(2).transpose(1, 2)
+
+    pixels = torch.rand(args.batch, 3, 224, 224)
+    times: dict[str, list[float]] = {"NCHW (torch's default)": [], "channels-last": []}
+    outputs = {}
+    with torch.no_grad():
+        for forward in (nchw, encoder):
+            forward(pixels[:2])  # oneDNN's kernels are chosen at the first call
+        for _ in range(args.repeats):
+            for name, forward in zip(times, (nchw, encoder)):
+                started = time.perf_counter()
+                outputs[name] = forward(pixels)
+                times[name].append(time.perf_counter() - started)
+    best = {name: min(t) for name, t in times.items()}
+    base, new = best.values()
+    diff = float((outputs["channels-last"] - outputs["NCHW (torch's default)"]).abs().max())
+    scale = float(outputs["NCHW (torch's default)"].abs().max())
+    lines = [
+        f"EfficientNet-Lite0 forward, {args.batch} images at 224 px, best of {args.repeats}, "
+        f"{torch.get_num_threads()} threads.",
+        "",
+        "| layout | seconds | images/s |",
+        "|---|---:|---:|",
+        *(f"| {name} | {t:.3f} | {args.batch / t:.1f} |" for name, t in best.items()),
+        "",
+        f"channels-last / NCHW: **{new / base:.2f}**; largest feature difference {diff:.1e} "
+        f"({diff / scale:.1e} of the largest feature).",
+    ]
+    markdown = "\n".join(lines)
+    print(markdown)
+    if args.write:
+        data = {"batch": args.batch, "repeats": args.repeats, "seconds": times, "ratio": new / base, "max_diff": diff}
+        command = " ".join(["bench/bench_encoder.py", *sys.argv[1:]])
+        print(results_file.write("encoder", results_file.header(command), markdown, data))
+
+
+if __name__ == "__main__":
+    main()
