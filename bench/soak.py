@@ -35,8 +35,8 @@ committed before it (lost work < one checkpoint interval); no training process, 
 directory, Dagster run in progress or RUNNING MLflow run is left; the reader never saw a committed key
 whose files disagree with its manifest, nor a manifest it could not read; every scheduled fault fired.
 A soak cut short by ``--max-minutes`` exits 2. Prints one row per run (with its time lost: its seconds less its
-reference's) and writes ``soak.json`` (faults, retries, causes, resumed-from step, time, the final
-artifact's key and sha256 digest) into ``--out``.
+reference's) and writes ``soak.json`` (faults, retries, causes, each failed step attempt's error,
+resumed-from step, time, the final artifact's key and sha256 digest) into ``--out``.
 """
 
 import argparse
@@ -242,7 +242,7 @@ def failure_causes(events: list, asset: str = "gpt_checkpoint") -> list[str]:
 
     The launcher's failure ends with ``(<cause>: retried; ...)``; an error of the step process itself (the
     final commit's upload, say), which no launcher read, is ``step:<its exception class>``. A failure of a
-    step other than ``asset`` (its upstream) is prefixed with that step's name.
+    step other than ``asset`` (its upstream) is ``<that step>/<cause>``.
     """
     import re
 
@@ -252,8 +252,20 @@ def failure_causes(events: list, asset: str = "gpt_checkpoint") -> list[str]:
         text = error.to_string() if error is not None else ""
         found = re.findall(r"\((\w+): (?:retried|not retried);", text)
         cause = found[-1] if found else f"step:{getattr(error, 'cls_name', None) or 'unknown'}"
-        causes.append(cause if event.step_key == asset else f"{event.step_key}:{cause}")
+        causes.append(cause if event.step_key == asset else f"{event.step_key}/{cause}")
     return causes
+
+
+def failure_errors(events: list) -> list[str]:
+    """``<step>: <the first 600 characters of its error>`` for each failed step attempt, in order.
+
+    What a cause alone does not say; a killed run worker writes no event, so it has no entry here.
+    """
+    errors = []
+    for event in failure_events(events):
+        error = getattr(event.event_specific_data, "error", None)
+        errors.append(f"{event.step_key}: {error.message[:600] if error is not None else '?'}")
+    return errors
 
 
 def failure_events(events: list) -> list:
@@ -738,11 +750,7 @@ class Soak:
             "retries": retries,
             "relaunches": relaunches,
             "causes": causes,
-            # each failed step attempt's error, its first lines: what a cause alone does not say
-            "errors": [
-                error.message[:600] if (error := getattr(e.event_specific_data, "error", None)) else "?"
-                for e in failure_events(events)
-            ],
+            "errors": failure_errors(events),
             "resumed_from_step": meta.get("resumed_from_step"),
             "metric": target.metric,
             "loss": meta.get(target.metric),

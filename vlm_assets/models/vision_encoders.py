@@ -87,8 +87,8 @@ class EfficientNetLite0Encoder(VisionEncoder):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """Return the final feature map of ``pixels`` as (N, 49, 1280) tokens."""
         self._check(pixels)
-        # Channels-last pixels make every convolution run channels-last: on a 2-core AVX2 CPU oneDNN's
-        # forward takes 0.71x the time at 50 images (bench/bench_encoder.py). The weights stay in the
+        # Channels-last pixels make every convolution run channels-last, which oneDNN's depthwise kernels
+        # run faster on a CPU (bench/bench_encoder.py; bench/results/encoder_*). The weights stay in the
         # default layout: DeepSpeed broadcasts each parameter as a flat byte view, which a permuted one refuses.
         pixels = self.normalize(pixels).contiguous(memory_format=torch.channels_last)
         features = self.net.extract_features(pixels)  # (N, 1280, 7, 7)
