@@ -56,6 +56,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 KINDS = (
     "worker",
@@ -247,12 +248,11 @@ def failure_causes(events: list, asset: str = "gpt_checkpoint") -> list[str]:
     import re
 
     causes = []
-    for event in failure_events(events):
-        error = getattr(event.event_specific_data, "error", None)
+    for step, error in failed_attempts(events):
         text = error.to_string() if error is not None else ""
         found = re.findall(r"\((\w+): (?:retried|not retried);", text)
         cause = found[-1] if found else f"step:{getattr(error, 'cls_name', None) or 'unknown'}"
-        causes.append(cause if event.step_key == asset else f"{event.step_key}/{cause}")
+        causes.append(cause if step == asset else f"{step}/{cause}")
     return causes
 
 
@@ -261,16 +261,16 @@ def failure_errors(events: list) -> list[str]:
 
     What a cause alone does not say; a killed run worker writes no event, so it has no entry here.
     """
-    errors = []
-    for event in failure_events(events):
-        error = getattr(event.event_specific_data, "error", None)
-        errors.append(f"{event.step_key}: {error.message[:600] if error is not None else '?'}")
-    return errors
+    return [f"{step}: {error.message[:600] if error is not None else '?'}" for step, error in failed_attempts(events)]
 
 
-def failure_events(events: list) -> list:
-    """The events of a Dagster run's failed step attempts (retried or not), in order."""
-    return [e for e in events if e.step_key and e.event_type_value in ("STEP_UP_FOR_RETRY", "STEP_FAILURE")]
+def failed_attempts(events: list) -> list[tuple[str, Any]]:
+    """(step key, its error or None) of each failed step attempt (retried or not) in a Dagster run's events."""
+    return [
+        (e.step_key, getattr(e.event_specific_data, "error", None))
+        for e in events
+        if e.step_key and e.event_type_value in ("STEP_UP_FOR_RETRY", "STEP_FAILURE")
+    ]
 
 
 KILLS = ("worker", "agent", "step", "run-worker", *POD_KINDS)
