@@ -129,7 +129,8 @@ def evaluate_export(model_dir: Path, manifests: Path, count: int, out: Path, log
     The evaluation is the VQA exact match on held-out validation images (asked the template's prompt, and held-out
     phrasings), and a two-image, two-round conversation.
     """
-    model = VisualChatModel.from_pretrained(model_dir)
+    model = VisualChatModel.from_pretrained(model_dir).requires_grad_(False)
+    model.cache_image_features()  # the held-out phrasings ask about the template's images again
     result = vqa_report(model, manifests, "validation", count)
     result["conversation"] = two_image_conversation(model, manifests)
     out.write_text(json.dumps(result, indent=1))

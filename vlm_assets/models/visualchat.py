@@ -33,6 +33,13 @@ from vlm_assets.paths import require_local
 IMAGE_TOKEN = "<image>"
 
 
+def pixel_keys(pixels: torch.Tensor) -> list[bytes]:
+    """The feature cache's key of each image of (N, 3, S, S) pixels: a digest of its values."""
+    import hashlib
+
+    return [hashlib.blake2b(p.detach().float().cpu().numpy().tobytes(), digest_size=16).digest() for p in pixels]
+
+
 class VisualChatModel(nn.Module):
     """A vision encoder, a projection into the decoder's embeddings, and a causal language model decoder."""
 
@@ -44,6 +51,7 @@ class VisualChatModel(nn.Module):
         self.spec = spec
         self.image_token_id, self.num_image_tokens, self.mmca = spec.image_token_id, spec.num_image_tokens, spec.mmca
         self._feature_cache: dict[bytes, torch.Tensor] | None = None
+        self.feature_misses = 0  # images the cache did not hold when a forward met them
 
     def train(self, mode: bool = True) -> "VisualChatModel":
         """Set training mode, but keep a frozen encoder in eval mode; return the model."""
@@ -166,19 +174,27 @@ class VisualChatModel(nn.Module):
         """(N, 3, S, S) pixels in [0, 1] -> (N, num_image_tokens, decoder width)."""
         if self._feature_cache is None:
             return self.projection(self.encoder(pixels.to(self.encoder.mean.dtype)))  # bf16 under DeepSpeed on GPUs
-        import hashlib
-
         cache = self._feature_cache
-        keys = [hashlib.blake2b(p.detach().float().cpu().numpy().tobytes(), digest_size=16).digest() for p in pixels]
-        pixels = pixels.to(self.encoder.mean.dtype)
+        keys = pixel_keys(pixels.to(self.encoder.mean.dtype))  # a batch cast to bf16 or not: one key
         missing: dict[bytes, int] = {}
         for i, key in enumerate(keys):
             if key not in cache:
                 missing.setdefault(key, i)
         if missing:
-            with torch.no_grad():
-                cache.update(zip(missing, self.encoder(pixels[list(missing.values())])))
+            self.feature_misses += len(missing)
+            self.add_cached_features(list(missing), self.encode_frozen(pixels[list(missing.values())]))
         return self.projection(torch.stack([cache[key] for key in keys]))
+
+    @torch.no_grad()
+    def encode_frozen(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(N, 3, S, S) pixels in [0, 1] -> the frozen encoder's (N, encoder tokens, encoder width) features."""
+        return self.encoder(pixels.to(self.encoder.mean.dtype))
+
+    def add_cached_features(self, keys: list[bytes], features: torch.Tensor) -> None:
+        """Cache ``features`` (``encode_frozen``'s) under their images' ``pixel_keys``."""
+        if self._feature_cache is None:
+            raise ValueError("the feature cache is off: call cache_image_features() first")
+        self._feature_cache.update(zip(keys, features))
 
     def embed(self, input_ids: torch.Tensor, pixels: torch.Tensor | None) -> torch.Tensor:
         """Token embeddings with each image's projected features at its ``<image>`` positions, in order."""

@@ -39,7 +39,7 @@ from vlm_assets.data import visualchat_data as vd
 from vlm_assets.evaluate.visualchat_eval import evaluate_export
 from vlm_assets.launch.spec import InputRefused
 from vlm_assets.models.hf_compat import set_activation_checkpointing
-from vlm_assets.models.visualchat import VisualChatModel, decoder_positions
+from vlm_assets.models.visualchat import VisualChatModel, decoder_positions, pixel_keys
 from vlm_assets.models.visualchat_attention import attention_layout
 from vlm_assets.train.checkpoints import StepCheckpoint, StepSeed
 from vlm_assets.train.deepspeed_store import deepspeed_strategy
@@ -48,6 +48,7 @@ from vlm_assets.train.reporting import TrainingHistory
 from vlm_assets.train.visualchat_config import VisualChatTrainConfig
 
 EVAL_BATCH = 4
+FEATURE_BATCH = 64  # images per encoder forward when the ranks fill the feature cache
 # DeepSpeed probes for an accelerator and warns at every process start when it finds none; on CPU say so.
 os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 # DeepSpeed's ZeRO calls torch collectives that torch deprecated (all_gather_into_tensor,
@@ -184,9 +185,17 @@ class VisualChatModule(L.LightningModule):
     counts the non-padding tokens trained on.
     """
 
-    def __init__(self, config: VisualChatTrainConfig, model: VisualChatModel, evaluation: list[vd.Sample], log):
+    def __init__(
+        self,
+        config: VisualChatTrainConfig,
+        model: VisualChatModel,
+        evaluation: list[vd.Sample],
+        log,
+        feature_images: list[str] = (),
+    ):
         super().__init__()
         self.config, self.model, self.evaluation, self.log_line = config, model, evaluation, log
+        self.feature_images = list(feature_images)  # every image of the run, when its features are cached
         self.strict_loading = False  # checkpoints hold the trained weights only (exclude_frozen_parameters)
         self.step_losses: list[float] = []  # this optimizer step's micro-batch losses, over all ranks
         self.baseline_eval_loss: float | None = None
@@ -196,11 +205,42 @@ class VisualChatModule(L.LightningModule):
         self._layout = contextlib.ExitStack()
 
     def on_train_start(self) -> None:
-        """Measure the held-out loss before training, unless a checkpoint holds it, and start the clock."""
+        """Fill the feature cache, measure the held-out loss before training (unless a checkpoint holds it), and
+        start the clock."""
+        if self.feature_images:
+            self.share_image_features()
         if self.baseline_eval_loss is None:
             self.baseline_eval_loss = evaluate(self.model, self.evaluation, self.device)
             self.log_line(f"eval loss before training (projection at init, LoRA zero): {self.baseline_eval_loss:.4f}")
         self.started = time.perf_counter()
+
+    def share_image_features(self) -> None:
+        """Encode each of ``feature_images`` once across the ranks and cache every image's features on every rank.
+
+        Left to the steps, each rank would encode every image it meets: over a few epochs, all of them on
+        each rank. Each rank encodes every ``world``-th image, its share padded to the same number of batches
+        as every other rank's (ZeRO-3's encoder forward is collective; the all-gather needs equal shapes).
+        """
+        started = time.perf_counter()
+        world, rank, size = self.trainer.world_size, self.global_rank, self.model.encoder.image_size
+        per_rank = math.ceil(len(self.feature_images) / world)
+        share = self.feature_images[rank::world] or self.feature_images[-1:]
+        share += share[-1:] * (per_rank - len(share))
+        keys, features = [], []
+        for at in range(0, per_rank, FEATURE_BATCH):
+            pixels = torch.stack([vd.load_image(ref, size) for ref in share[at : at + FEATURE_BATCH]])
+            pixels = pixels.to(self.device, self.model.encoder.mean.dtype)
+            keys += pixel_keys(pixels)
+            features.append(self.model.encode_frozen(pixels))
+        encoded = torch.cat(features)
+        digests = torch.tensor([list(key) for key in keys], dtype=torch.uint8, device=self.device)
+        if world > 1:
+            encoded, digests = self.all_gather(encoded).flatten(0, 1), self.all_gather(digests).flatten(0, 1)
+        self.model.add_cached_features([bytes(d) for d in digests.cpu().tolist()], encoded)
+        self.log_line(
+            f"image features: {len(self.feature_images):,} images, encoded once across {world} process(es) "
+            f"in {time.perf_counter() - started:.1f} s"
+        )
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         """Enter the batch's attention layout (its packed segments) for the step."""
@@ -253,7 +293,11 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
         rows, evaluation = build_samples(config, model, manifests)
     except (ValueError, FileNotFoundError) as err:  # a bad record or sample, named: every rank sees the same
         raise InputRefused(f"{type(err).__name__}: {err}") from None
-    module = VisualChatModule(config, model, evaluation, reporter.log)
+    images = {ref for row in rows for sample in row for ref in sample.images} | {
+        ref for sample in evaluation for ref in sample.images
+    }
+    cached = sorted(images) if config.parallelism.cache_image_features else []
+    module = VisualChatModule(config, model, evaluation, reporter.log, cached)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     reporter.log(
         f"visualchat: {len(rows)} train rows, {len(evaluation)} eval samples; trains "
@@ -285,6 +329,8 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     resume = run.latest_checkpoint()
     run.fit(trainer, module, resume, train_dataloaders=loader)
     elapsed = time.perf_counter() - module.started
+    if cached:
+        reporter.log(f"image features: {model.feature_misses} image(s) encoded by the steps (not in the cache)")
     tokens = float(trainer.strategy.reduce(torch.tensor(float(module.tokens), device=module.device), reduce_op="sum"))
     eval_loss = evaluate(model, evaluation, module.device)
     export(

@@ -6,6 +6,7 @@ training naming the file and line."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -201,6 +202,25 @@ def test_sigkill_mid_training_resumes_at_the_same_step_and_loss_curve(zero2, inp
         torch.tensor([h["loss"] for h in uninterrupted["history"]]),
         rtol=1e-5,
         atol=1e-6,
+    )
+
+
+@pytest.mark.slow
+def test_image_features_encoded_once_across_the_ranks_train_the_same_curve(zero2, inputs, tmp_path):
+    """With the encoder's features cached, the two ranks split the images, share their features before the
+    first step, and no step encodes an image again; the loss curve is the uncached run's."""
+    uncached, _ = zero2
+    result = train(inputs, tmp_path, config(inputs, parallelism={"cache_image_features": True}))
+    shared = [line for line in result["lines"] if "encoded once across 2 process(es)" in line]
+    assert len(shared) == 1, result["lines"][-40:]
+    images = int(re.search(r"image features: (\d+) images", shared[0]).group(1))
+    assert images > 40  # the manifests' 40 training images, the CIFAR files and the held-out samples' images
+    assert any("image features: 0 image(s) encoded by the steps" in line for line in result["lines"])
+    torch.testing.assert_close(
+        torch.tensor([h["loss"] for h in result["history"]]),
+        torch.tensor([h["loss"] for h in uncached["history"]]),
+        rtol=1e-4,
+        atol=1e-5,
     )
 
 
