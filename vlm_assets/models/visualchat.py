@@ -78,7 +78,7 @@ class VisualChatModel(nn.Module):
         """A new model: the pretrained encoder and decoder, the projection at its initialisation."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        encoder = build_encoder(config.encoder_kind, config.encoder)
+        encoder = build_encoder(config.encoder_kind, config.encoder, config.encoder_image_size)
         _check_decoder(config.decoder)
         tokenizer = AutoTokenizer.from_pretrained(config.decoder)
         decoder = AutoModelForCausalLM.from_pretrained(config.decoder, dtype=torch.float32)

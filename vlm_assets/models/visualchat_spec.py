@@ -32,6 +32,13 @@ class VisualChatModelConfig(BaseModel):
             "unset (the packaged ImageNet weights) or a weights file."
         ),
     )
+    encoder_image_size: int | None = Field(
+        default=None,
+        description=(
+            "efficientnet_lite0 only: its input size, a multiple of 32 (default 224); a token per 32 x 32 "
+            "pixels, so 128 gives 16 image tokens instead of 49."
+        ),
+    )
     projection: ProjectionKind = Field(default="mlp", description="linear | mlp | perceiver.")
     num_queries: int = Field(default=32, ge=1, description="perceiver only: image tokens per image.")
     decoder: str = Field(

@@ -235,6 +235,32 @@ def test_efficientnet_lite0_gives_49_tokens_of_1280_from_pretrained_weights(offl
     assert all(p.is_contiguous() for p in encoder.parameters())
 
 
+def test_efficientnet_at_another_input_size_gives_a_token_per_32_pixels_and_saves_it(tmp_path, offline_data):
+    """At 128 px EfficientNet-Lite0 gives 4 x 4 = 16 tokens; saved and loaded, the encoder keeps its size and
+    gives the same features. A size the feature map's stride does not divide, or a size for another kind of
+    encoder, is refused naming it."""
+    from vlm_assets.data.visualchat_data import load_image
+    from vlm_assets.models.vision_encoders import EfficientNetLite0Encoder, build_encoder, load_encoder
+
+    encoder = build_encoder("efficientnet_lite0", None, 128).eval()
+    assert (encoder.image_size, encoder.num_tokens) == (128, 16)
+    images = sorted((offline_data / "cifar10-samples").glob("*.png"))[:2]
+    pixels = torch.stack([load_image(str(p), 128) for p in images])
+    encoder.save(tmp_path / "encoder")
+    loaded = load_encoder("efficientnet_lite0", tmp_path / "encoder").eval()
+    assert loaded.preprocessing() == encoder.preprocessing()
+    with torch.no_grad():
+        features = encoder(pixels)
+        assert features.shape == (2, 16, 1280) and features.std() > 0.1
+        torch.testing.assert_close(loaded(pixels), features)
+        with pytest.raises(ValueError, match=r"expects \(N, 3, 128, 128\) pixels"):
+            encoder(torch.stack([load_image(str(p), 224) for p in images]))
+    with pytest.raises(ValueError, match="image_size 100 must be a positive multiple of 32"):
+        EfficientNetLite0Encoder(pretrained=False, image_size=100)
+    with pytest.raises(ValueError, match="encoder_image_size is for the efficientnet_lite0 encoder only, not clip"):
+        build_encoder("clip", str(tmp_path / "clip"), 128)
+
+
 def test_a_frozen_encoder_stays_in_eval_mode_and_its_features_can_be_cached(tmp_path, offline_data):
     """EfficientNet-Lite0 has batch norm: frozen, a training step must neither use batch statistics nor
     move its running ones. Cached features equal computed ones, per image, in any order."""
