@@ -4,7 +4,7 @@
 
 Reads each PATH the way the ``visualchat_model`` asset will (``vlm_assets.data.chat_formats``: OpenAI
 messages, LLaVA JSON, Hugging Face Parquet or datasets folders), renders every record in the training
-template under the demo's tokenizer (GPT-2 BPE, 49 tokens per image: EfficientNet-Lite0) and prints one
+template under the demo's tokenizer (GPT-2 BPE, 16 tokens per image: EfficientNet-Lite0 at 128 px) and prints one
 JSON object per file: format, records, images, tokens, max_images_per_record, longest_record_tokens.
 Exit 0 when every file is good; exit 65 (EX_DATAERR) after printing ``FILE:N: reason`` on stderr for
 every bad record found (up to ``--max-errors`` per file).
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 EX_DATAERR = 65
-DEMO_IMAGE_TOKENS = 49  # EfficientNet-Lite0's 7x7 feature map: the demo's encoder
+DEMO_IMAGE_TOKENS = 16  # EfficientNet-Lite0 at 128 px, a 4x4 feature map: the demo's encoder
 
 
 def summarize(path: str, records: list, tokenizer, image_tokens: int, kind: str) -> dict:

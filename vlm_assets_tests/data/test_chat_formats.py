@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vlm_assets.chat_data import DEMO_IMAGE_TOKENS
 from vlm_assets.data import chat_formats as cf
 from vlm_assets.data.visualchat_data import load_image
 from vlm_assets_tests.conftest import CIFAR10_CLASSES, free_port, serve_directory
@@ -338,8 +339,8 @@ def test_the_inspector_prints_one_summary_per_file_and_exits_65_listing_every_ba
     assert ok.returncode == 0, ok.stderr
     first, second = (json.loads(line) for line in ok.stdout.splitlines())
     assert first["format"] == "llava" and first["records"] == 1 and first["images"] == 2
-    assert first["max_images_per_record"] == 2 and first["longest_record_tokens"] > 2 * 49
-    assert second["format"] == "openai" and second["tokens"] == second["longest_record_tokens"] > 49
+    assert first["max_images_per_record"] == 2 and first["longest_record_tokens"] > 2 * DEMO_IMAGE_TOKENS
+    assert second["format"] == "openai" and second["tokens"] == second["longest_record_tokens"] > DEMO_IMAGE_TOKENS
     bad = write_jsonl(tmp_path / "bad.jsonl", *[r for r, _ in BAD_OPENAI])
     failed = _inspect(str(chat), str(bad), env_cache=cache, in_process=False)
     assert failed.returncode == 65
