@@ -1,10 +1,10 @@
 """The EfficientNet-Lite0 encoder's forward in torch's default (NCHW) layout against channels-last, in one run.
 
-    python bench/bench_encoder.py [--batch 50] [--repeats 5] [--write]
+    python bench/bench_encoder.py [--batch 50] [--image-size 224] [--repeats 5] [--write]
 
-The encoder is the demo's (the packaged ImageNet weights, eval mode, no grad): most of ``eval_report``'s
-time (three forwards of each validation image) and of VisualChat's first epochs (features computed once
-per image, then cached). Each layout runs ``--repeats`` times, alternating, on the same random batch;
+The encoder is the demo's (the packaged ImageNet weights, eval mode, no grad; the demo runs it at 128 px):
+most of ``eval_report``'s time (three forwards of each validation image) and what fills VisualChat's
+feature cache (each image once). Each layout runs ``--repeats`` times, alternating, on the same random batch;
 the best time of each is reported, their ratio, and the largest difference of the features (the two
 layouts sum in different orders).
 """
@@ -25,17 +25,19 @@ from vlm_assets.models.vision_encoders import EfficientNetLite0Encoder  # noqa: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=50, help="images per forward (eval_report's batch_size)")
+    parser.add_argument("--image-size", type=int, default=224, help="input size, a multiple of 32 (demo: 128)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--write", action="store_true", help="write bench/results/encoder_<machine>_<date>.*")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    encoder = EfficientNetLite0Encoder().eval()  # the platform's forward: channels-last pixels
+    # the platform's forward: channels-last pixels
+    encoder = EfficientNetLite0Encoder(image_size=args.image_size).eval()
 
     def nchw(pixels: torch.Tensor) -> torch.Tensor:  # the same network on pixels in the default layout
         return encoder.net.extract_features(encoder.normalize(pixels)).flatten(2).transpose(1, 2)
 
-    pixels = torch.rand(args.batch, 3, 224, 224)
+    pixels = torch.rand(args.batch, 3, args.image_size, args.image_size)
     times: dict[str, list[float]] = {"NCHW (torch's default)": [], "channels-last": []}
     outputs = {}
     with torch.no_grad():
@@ -51,7 +53,7 @@ def main() -> None:
     diff = float((outputs["channels-last"] - outputs["NCHW (torch's default)"]).abs().max())
     scale = float(outputs["NCHW (torch's default)"].abs().max())
     lines = [
-        f"EfficientNet-Lite0 forward, {args.batch} images at 224 px, best of {args.repeats}, "
+        f"EfficientNet-Lite0 forward, {args.batch} images at {args.image_size} px, best of {args.repeats}, "
         f"{torch.get_num_threads()} threads.",
         "",
         "| layout | seconds | images/s |",

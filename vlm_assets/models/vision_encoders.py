@@ -64,8 +64,10 @@ class VisionEncoder(nn.Module, ABC):
 
 
 class EfficientNetLite0Encoder(VisionEncoder):
-    """The EfficientNet-Lite0 image encoder: its last feature map as tokens of 1280 features, one per 32 x 32
-    pixels (49 at its native 224 x 224, 16 at 128)."""
+    """The EfficientNet-Lite0 image encoder: its last feature map as tokens of 1280 features.
+
+    A token per 32 x 32 pixels: 49 at its native 224 x 224, 16 at 128.
+    """
 
     kind = "efficientnet_lite0"
     hidden_size = 1280
@@ -237,7 +239,7 @@ def build_encoder(kind: EncoderKind, name_or_path: str | None, image_size: int |
     the other kinds take their checkpoint's.
     """
     if kind == "efficientnet_lite0":
-        return EfficientNetLite0Encoder(name_or_path, image_size=image_size or 224)
+        return EfficientNetLite0Encoder(name_or_path, image_size=224 if image_size is None else image_size)
     if image_size is not None:
         raise ValueError(f"encoder_image_size is for the efficientnet_lite0 encoder only, not {kind}")
     if name_or_path is None:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 EncoderKind = Literal["clip", "qwen2_5_vl", "efficientnet_lite0"]
 ProjectionKind = Literal["linear", "mlp", "perceiver"]
@@ -48,6 +48,19 @@ class VisualChatModelConfig(BaseModel):
     mmca: bool = Field(default=False, description="Multi-modal causal attention instead of plain causal.")
     max_images: int = Field(default=8, ge=1, description="Most images in one sample.")
     max_length: int = Field(default=4096, ge=16, description="Most tokens in one sample, image tokens included.")
+
+    @field_validator("encoder_image_size")
+    @classmethod
+    def _image_size(cls, value: int | None) -> int | None:
+        if value is not None and (value < 32 or value % 32):
+            raise ValueError(f"encoder_image_size {value} must be a positive multiple of 32 (the feature map's stride)")
+        return value
+
+    @model_validator(mode="after")
+    def _image_size_kind(self) -> "VisualChatModelConfig":
+        if self.encoder_image_size is not None and self.encoder_kind != "efficientnet_lite0":
+            raise ValueError(f"encoder_image_size is for the efficientnet_lite0 encoder only, not {self.encoder_kind}")
+        return self
 
 
 SPEC_FILE = "visualchat.json"

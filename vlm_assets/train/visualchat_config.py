@@ -137,8 +137,8 @@ class VisualChatParallelism(Parallelism):
     cache_image_features: bool = run_field(
         False,
         (
-            "Keep each training image's encoder features after their first computation (frozen encoder only; "
-            "memory: images x tokens x width floats per process)."
+            "Encode each image of the run once before the first step, the processes sharing the work, and keep "
+            "the features (frozen encoder only; memory: images x tokens x width floats per process)."
         ),
     )
 

@@ -205,8 +205,7 @@ class VisualChatModule(L.LightningModule):
         self._layout = contextlib.ExitStack()
 
     def on_train_start(self) -> None:
-        """Fill the feature cache, measure the held-out loss before training (unless a checkpoint holds it), and
-        start the clock."""
+        """Fill the feature cache, measure the held-out loss unless a checkpoint holds it, start the clock."""
         if self.feature_images:
             self.share_image_features()
         if self.baseline_eval_loss is None:
@@ -234,12 +233,14 @@ class VisualChatModule(L.LightningModule):
             features.append(self.model.encode_frozen(pixels))
         encoded = torch.cat(features)
         digests = torch.tensor([list(key) for key in keys], dtype=torch.uint8, device=self.device)
+        encodes = len(keys)
         if world > 1:
             encoded, digests = self.all_gather(encoded).flatten(0, 1), self.all_gather(digests).flatten(0, 1)
+            encodes = int(self.trainer.strategy.reduce(torch.tensor(encodes, device=self.device), reduce_op="sum"))
         self.model.add_cached_features([bytes(d) for d in digests.cpu().tolist()], encoded)
         self.log_line(
-            f"image features: {len(self.feature_images):,} images, encoded once across {world} process(es) "
-            f"in {time.perf_counter() - started:.1f} s"
+            f"image features: {len(self.feature_images):,} images, {encodes:,} encoder passes over "
+            f"{world} process(es) in {time.perf_counter() - started:.1f} s"
         )
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
@@ -330,7 +331,8 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     run.fit(trainer, module, resume, train_dataloaders=loader)
     elapsed = time.perf_counter() - module.started
     if cached:
-        reporter.log(f"image features: {model.feature_misses} image(s) encoded by the steps (not in the cache)")
+        misses = trainer.strategy.reduce(torch.tensor(model.feature_misses, device=module.device), reduce_op="sum")
+        reporter.log(f"image features: {int(misses)} image(s) encoded by the steps (not in the cache)")
     tokens = float(trainer.strategy.reduce(torch.tensor(float(module.tokens), device=module.device), reduce_op="sum"))
     eval_loss = evaluate(model, evaluation, module.device)
     export(

@@ -207,14 +207,16 @@ def test_sigkill_mid_training_resumes_at_the_same_step_and_loss_curve(zero2, inp
 
 @pytest.mark.slow
 def test_image_features_encoded_once_across_the_ranks_train_the_same_curve(zero2, inputs, tmp_path):
-    """With the encoder's features cached, the two ranks split the images, share their features before the
-    first step, and no step encodes an image again; the loss curve is the uncached run's."""
+    """With the encoder's features cached, the two ranks split the images (each encoded once, a share
+    padded to equal length), share their features before the first step, and no step on either rank
+    encodes an image again; the loss curve is the uncached run's."""
     uncached, _ = zero2
     result = train(inputs, tmp_path, config(inputs, parallelism={"cache_image_features": True}))
-    shared = [line for line in result["lines"] if "encoded once across 2 process(es)" in line]
+    shared = [line for line in result["lines"] if "encoder passes over 2 process(es)" in line]
     assert len(shared) == 1, result["lines"][-40:]
-    images = int(re.search(r"image features: (\d+) images", shared[0]).group(1))
+    images, passes = map(int, re.search(r"image features: (\d+) images, (\d+) encoder passes", shared[0]).groups())
     assert images > 40  # the manifests' 40 training images, the CIFAR files and the held-out samples' images
+    assert passes == 2 * -(-images // 2)  # not 2 * images: each rank encoded its half
     assert any("image features: 0 image(s) encoded by the steps" in line for line in result["lines"])
     torch.testing.assert_close(
         torch.tensor([h["loss"] for h in result["history"]]),
@@ -293,6 +295,21 @@ def test_a_zero_stage_other_than_2_or_3_is_refused_at_config_load(tmp_path, inpu
     data["config"]["parallelism"]["zero_stage"] = 1
     run.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=f"{run}: field parallelism.zero_stage: zero_stage 1 is not supported"):
+        read_run_file(run, VisualChatTrainConfig)
+
+
+def test_an_encoder_image_size_that_cannot_be_built_is_refused_at_config_load(tmp_path, inputs):
+    from vlm_assets.train.run_config import read_run_file
+
+    run = run_file(inputs, tmp_path, config(inputs))
+    data = json.loads(run.read_text())
+    data["config"]["model"]["encoder_image_size"] = 128  # the config's encoder is a CLIP
+    run.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="encoder_image_size is for the efficientnet_lite0 encoder only, not clip"):
+        read_run_file(run, VisualChatTrainConfig)
+    data["config"]["model"].update(encoder_kind="efficientnet_lite0", encoder=None, encoder_image_size=100)
+    run.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"{run}: field model.encoder_image_size: encoder_image_size 100 must be"):
         read_run_file(run, VisualChatTrainConfig)
 
 
