@@ -23,7 +23,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from vlm_assets.models.visualchat_spec import EncoderKind
+from vlm_assets.models.visualchat_spec import (
+    EFFICIENTNET_STRIDE,
+    EncoderKind,
+    check_efficientnet_image_size,
+    check_image_size_kind,
+)
 from vlm_assets.paths import require_local
 
 # TensorFlow's EfficientNet-Lite preprocessing: (x - 127) / 128 on 0-255 pixels.
@@ -71,17 +76,13 @@ class EfficientNetLite0Encoder(VisionEncoder):
 
     kind = "efficientnet_lite0"
     hidden_size = 1280
-    STRIDE = 32  # the feature map's stride: the input size must be a multiple of it
 
     def __init__(self, weights: str | None = None, *, pretrained: bool = True, image_size: int = 224):
         super().__init__([_LITE_MEAN] * 3, [_LITE_STD] * 3)
         from efficientnet_lite_pytorch import EfficientNet
 
-        if image_size < self.STRIDE or image_size % self.STRIDE:
-            raise ValueError(
-                f"efficientnet_lite0 encoder: image_size {image_size} must be a positive multiple of {self.STRIDE}"
-            )
-        self.image_size, self.num_tokens = image_size, (image_size // self.STRIDE) ** 2
+        check_efficientnet_image_size(image_size)
+        self.image_size, self.num_tokens = image_size, (image_size // EFFICIENTNET_STRIDE) ** 2
 
         self.net = EfficientNet.from_name("efficientnet-lite0")
         if pretrained:
@@ -240,8 +241,7 @@ def build_encoder(kind: EncoderKind, name_or_path: str | None, image_size: int |
     """
     if kind == "efficientnet_lite0":
         return EfficientNetLite0Encoder(name_or_path, image_size=224 if image_size is None else image_size)
-    if image_size is not None:
-        raise ValueError(f"encoder_image_size is for the efficientnet_lite0 encoder only, not {kind}")
+    check_image_size_kind(kind, image_size)
     if name_or_path is None:
         raise ValueError(f"{kind} encoder: a hub id or directory is required")
     return _KINDS[kind](name_or_path)

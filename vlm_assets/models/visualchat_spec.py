@@ -12,6 +12,23 @@ EncoderKind = Literal["clip", "qwen2_5_vl", "efficientnet_lite0"]
 ProjectionKind = Literal["linear", "mlp", "perceiver"]
 
 
+EFFICIENTNET_STRIDE = 32  # EfficientNet-Lite0's feature map: a token per 32 x 32 pixels
+
+
+def check_efficientnet_image_size(size: int) -> None:
+    """Raise ValueError unless ``size`` is a positive multiple of EfficientNet-Lite0's stride."""
+    if size < EFFICIENTNET_STRIDE or size % EFFICIENTNET_STRIDE:
+        raise ValueError(
+            f"encoder_image_size {size} must be a positive multiple of {EFFICIENTNET_STRIDE} (the feature map's stride)"
+        )
+
+
+def check_image_size_kind(kind: str, size: int | None) -> None:
+    """Raise ValueError when an input size is given for an encoder kind that takes its checkpoint's own."""
+    if size is not None and kind != "efficientnet_lite0":
+        raise ValueError(f"encoder_image_size is for the efficientnet_lite0 encoder only, not {kind}")
+
+
 class VisualChatModelConfig(BaseModel):
     """What the model is made of.
 
@@ -52,14 +69,13 @@ class VisualChatModelConfig(BaseModel):
     @field_validator("encoder_image_size")
     @classmethod
     def _image_size(cls, value: int | None) -> int | None:
-        if value is not None and (value < 32 or value % 32):
-            raise ValueError(f"encoder_image_size {value} must be a positive multiple of 32 (the feature map's stride)")
+        if value is not None:
+            check_efficientnet_image_size(value)
         return value
 
     @model_validator(mode="after")
     def _image_size_kind(self) -> "VisualChatModelConfig":
-        if self.encoder_image_size is not None and self.encoder_kind != "efficientnet_lite0":
-            raise ValueError(f"encoder_image_size is for the efficientnet_lite0 encoder only, not {self.encoder_kind}")
+        check_image_size_kind(self.encoder_kind, self.encoder_image_size)
         return self
 
 

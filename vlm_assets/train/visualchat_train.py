@@ -294,10 +294,10 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
         rows, evaluation = build_samples(config, model, manifests)
     except (ValueError, FileNotFoundError) as err:  # a bad record or sample, named: every rank sees the same
         raise InputRefused(f"{type(err).__name__}: {err}") from None
-    images = {ref for row in rows for sample in row for ref in sample.images} | {
-        ref for sample in evaluation for ref in sample.images
-    }
-    cached = sorted(images) if config.parallelism.cache_image_features else []
+    cached = []
+    if config.parallelism.cache_image_features:
+        samples = [sample for row in rows for sample in row] + evaluation
+        cached = sorted({ref for sample in samples for ref in sample.images})
     module = VisualChatModule(config, model, evaluation, reporter.log, cached)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     reporter.log(
