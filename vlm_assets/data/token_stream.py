@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from vlm_assets.storage.disk import private_download
 from vlm_assets._streaming import Stream, StreamingDataset, streaming_dataset
 
 
@@ -111,8 +112,8 @@ def build_token_dataloaders(
 def _download_summary(uri: str, target: Path) -> None:
     from streaming.base.storage import CloudDownloader
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    CloudDownloader.direct_download(f"{uri.rstrip('/')}/tokens.json", str(target), timeout=60)
+    with private_download(target) as tmp:
+        CloudDownloader.direct_download(f"{uri.rstrip('/')}/tokens.json", str(tmp), timeout=60)
 
 
 def reference_batch(uri: str, num_samples: int, cache_dir: str | Path) -> dict[str, torch.Tensor]:

@@ -6,13 +6,15 @@ errno 28 without the path, and ``torch.save`` onto a path (DeepSpeed's checkpoin
 (nor does ``shutil.copytree``'s ``Error``).
 ``space_checked`` turns either into a ``DiskFullError`` that names what was being written, where, and
 the file system's free and total space; the retry rule reads it as ``disk_full``
-(``vlm_assets.launch.retry``). ``staged_write`` adds removing a staging directory whose write failed.
+(``vlm_assets.launch.retry``). ``staged_write`` adds removing a staging directory whose write failed;
+``private_download`` fetches a file that other processes may be fetching into the same place.
 """
 
 import contextlib
 import errno
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,3 +95,23 @@ def staged_write(directory: Path, what: str) -> Iterator[None]:
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def private_download(target: Path) -> Iterator[Path]:
+    """Yield a path of this process's own beside ``target``; once the block ends, move it onto ``target``.
+
+    Processes that share a directory (the local launcher's nodes) may fetch one file at once: each
+    writes a name of its own, and a reader sees the whole file or none. boto3 cannot be left to it: it
+    names its temporary file from the global ``random`` module, which every rank seeds alike, so two
+    ranks wrote one temporary file and the second rename failed. A failed download leaves nothing.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from vlm_assets.data.token_stream import reference_batch
 from vlm_assets.models.gpt import GPT, preset
 from vlm_assets.models.gpt_export import export_hf
+from vlm_assets.storage.disk import private_download
 from vlm_assets.train.checkpoints import CHECKPOINT_FILE, StepCheckpoint, StepSeed, step_key
 from vlm_assets.train.entry import TrainerRun, backend, entry_point
 from vlm_assets.train.gpt_config import PretrainConfig
@@ -156,8 +157,8 @@ def _shards_path(shards_uri: str, cache_dir: str, rel: str) -> Path:
             if obj["Key"] != base and not obj["Key"].startswith(base + "/"):
                 continue
             path = target if obj["Key"] == base else target / obj["Key"][len(base) + 1 :]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            client.download_file(bucket, obj["Key"], str(path))
+            with private_download(path) as tmp:
+                client.download_file(bucket, obj["Key"], str(tmp))
     if not target.exists():
         raise FileNotFoundError(f"{shards_uri}/{rel} does not exist")
     return target

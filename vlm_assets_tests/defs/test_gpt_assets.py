@@ -242,10 +242,16 @@ def test_threshold_change_reruns_the_check_not_the_training(ddp_run, offline_dat
     assert checks["val_loss_beats_uniform"] is False  # 10 nats below ln V is out of reach
 
 
-def test_timeout_then_a_longer_timeout_resumes_from_the_last_checkpoint(ddp_run, tmp_path, offline_data, mlflow_uri):
+def test_a_timeout_then_a_longer_one_on_another_world_size_resumes_near_the_same_loss(
+    ddp_run, tmp_path, offline_data, mlflow_uri
+):
     """The job is frozen (SIGSTOP) right after its first checkpoint, so the launcher's timeout fires at a
-    known step; the rerun with a raised timeout_s has the same key and resumes there. The timeout is this
-    machine's time for a whole uninterrupted run: the first checkpoint (step 6 of 30) comes before it."""
+    known step; the rerun with a raised timeout_s on 1 node x 1 process (both run fields: the same key)
+    resumes there: the consolidated checkpoint loads at the other world size, accumulation doubles,
+    training ends at max_steps with its checks passing. The timeout is this machine's time for a whole
+    uninterrupted run: the first checkpoint (step 6 of 30) comes before it. Not bit-exact across world
+    sizes (docs/training.md): the final val loss drifted by 0.12 nats (7.51 vs 7.39) when measured; the
+    bound here is 5 %. A resume at the same world size is exact: the killed-worker test's curve."""
     env = Env(tmp_path, mlflow_uri)
     freezer, frozen = _signal_after_checkpoints(env, str(tmp_path), 1, signal.SIGSTOP)
     timeout_s = math.ceil(ddp_run[0].seconds)
@@ -258,13 +264,14 @@ def test_timeout_then_a_longer_timeout_resumes_from_the_last_checkpoint(ddp_run,
     assert "Raise timeout_s and rerun" in failures[0].step_failure_data.user_failure_data.description
     assert not _workers(str(tmp_path)), "a frozen worker outlived the timeout"
 
-    meta, checks = outcome(env.materialize(run_config(offline_data, timeout_s=600)))
-    assert meta["cache_key"] == ddp_run[2]["cache_key"]  # timeout_s is a run field, not identity
+    one_process = {"num_nodes": 1, "nproc_per_node": 1}
+    meta, checks = outcome(env.materialize(run_config(offline_data, timeout_s=600, parallelism=one_process)))
+    assert meta["cache_key"] == ddp_run[2]["cache_key"] and meta["world_size"] == 1
     assert meta["resumed_from_step"] == frozen["step"] and meta["steps"] == MAX_STEPS and all(checks.values())
     assert meta["run_settings"]["timeout_s"] == 600
     resumed = json.loads((Path(meta["uri"]) / "history.json").read_text())
-    assert resumed["train"][-1]["loss"] == pytest.approx(ddp_run[4]["train"][-1]["loss"], abs=1e-5)
-    assert resumed["val"][-1]["loss"] == pytest.approx(ddp_run[4]["val"][-1]["loss"], abs=1e-5)
+    assert [p["step"] for p in resumed["train"]] == list(range(1, MAX_STEPS + 1))
+    assert resumed["val"][-1]["loss"] == pytest.approx(ddp_run[4]["val"][-1]["loss"], rel=0.05)
 
 
 def test_sigkill_of_the_dagster_process_ends_its_workers_and_the_relaunch_resumes(ddp_run, tmp_path, offline_data):
@@ -285,26 +292,6 @@ def test_sigkill_of_the_dagster_process_ends_its_workers_and_the_relaunch_resume
     assert meta["cache_key"] == ddp_run[2]["cache_key"] and meta["steps"] == MAX_STEPS
     assert meta["val_loss"] == pytest.approx(ddp_run[2]["val_loss"], abs=1e-5)
     assert run.mlflow_statuses("gpt_checkpoint") == ["FINISHED", "KILLED"]
-
-
-def test_a_rerun_on_another_world_size_resumes_and_ends_near_the_same_loss(ddp_run, tmp_path, offline_data, mlflow_uri):
-    """Frozen at 2 nodes after its first checkpoint, rerun on 1 node x 1 process (a run field: same
-    key): the consolidated checkpoint loads at the other world size, accumulation doubles, training
-    ends at max_steps with its checks passing. Not bit-exact (docs/training.md): the final val loss drifted by
-    0.12 nats (7.51 vs 7.39) when measured; the bound here is 5 %."""
-    env = Env(tmp_path, mlflow_uri)
-    freezer, frozen = _signal_after_checkpoints(env, str(tmp_path), 1, signal.SIGSTOP)
-    timeout_s = math.ceil(ddp_run[0].seconds)  # past the first checkpoint, as in the timeout test
-    assert not env.materialize(run_config(offline_data, timeout_s=timeout_s), raise_on_error=False).success
-    freezer.join()
-    assert frozen, "the job was never frozen after a checkpoint"
-
-    meta, checks = outcome(env.materialize(run_config(offline_data, parallelism={"num_nodes": 1, "nproc_per_node": 1})))
-    assert meta["cache_key"] == ddp_run[2]["cache_key"] and meta["world_size"] == 1
-    assert meta["resumed_from_step"] == frozen["step"] and meta["steps"] == MAX_STEPS and all(checks.values())
-    resumed = json.loads((Path(meta["uri"]) / "history.json").read_text())
-    assert [p["step"] for p in resumed["train"]] == list(range(1, MAX_STEPS + 1))
-    assert resumed["val"][-1]["loss"] == pytest.approx(ddp_run[4]["val"][-1]["loss"], rel=0.05)
 
 
 def k8s_launcher_env(tmp_path: Path, k8s_testbed, namespace: str) -> dict[str, str]:

@@ -1,0 +1,61 @@
+"""Two processes seeded alike (two ranks after ``seed_everything``) download one S3 object into one
+place at the same moment, from moto's server on loopback, through ``private_download``: both succeed,
+the file is whole, and no temporary file is left."""
+
+import multiprocessing
+import random
+from pathlib import Path
+
+from vlm_assets.storage.disk import private_download
+
+ROUNDS = 4
+
+
+def _download(endpoint: str, bucket: str, key: str, target: str, barrier, bare: bool) -> None:
+    import boto3
+
+    random.seed(0)  # as every rank is: boto3's temporary names are drawn from this generator
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    for _ in range(ROUNDS):
+        barrier.wait(timeout=120)
+        if bare:  # boto3 alone, for reproducing the race by hand: `_download(..., bare=True)`
+            client.download_file(bucket, key, target)
+            continue
+        with private_download(Path(target)) as tmp:
+            client.download_file(bucket, key, str(tmp))
+
+
+def race(endpoint: str, bucket: str, key: str, target: Path, bare: bool = False) -> list[int]:
+    """Run two downloading processes in step; return their exit codes."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(2)
+    processes = [
+        context.Process(target=_download, args=(endpoint, bucket, key, str(target), barrier, bare)) for _ in range(2)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=300)
+    return [process.exitcode for process in processes]
+
+
+def test_two_ranks_download_one_object_into_one_place(s3_bucket, s3_endpoint, tmp_path):
+    client, bucket = s3_bucket
+    payload = random.Random(1).randbytes(24 << 20)  # long enough to write that the two downloads overlap
+    client.put_object(Bucket=bucket, Key="shards/tokens.json", Body=payload)
+    target = tmp_path / "cache" / "tokens.json"
+
+    assert race(s3_endpoint, bucket, "shards/tokens.json", target) == [0, 0]
+    assert target.read_bytes() == payload
+    assert [p.name for p in target.parent.iterdir()] == ["tokens.json"]
+
+
+def test_a_failed_download_leaves_nothing(tmp_path):
+    target = tmp_path / "tokens.json"
+    try:
+        with private_download(target) as tmp:
+            tmp.write_bytes(b"half")
+            raise ConnectionError("the server went away")
+    except ConnectionError:
+        pass
+    assert list(tmp_path.iterdir()) == []
