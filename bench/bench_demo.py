@@ -9,7 +9,7 @@ memoized rerun, and the two models trained again with other seeds.
 A training seed is the seed of both trained models of the demo: `visualchat_model` (blend, split, data
 order, LoRA and projection init) and `occlusion_adapter` (init, data order); the data (manifests, token
 shards) and the GPT stay the same (cache hits after the first run). For each seed it prints the eval
-report (500 validation images: clean, occluded without the adapter, with it, each with its 95 % Wilson
+report (1,000 validation images: clean, occluded without the adapter, with it, each with its 95 % Wilson
 interval), the adapter's paired gain with its 95 % paired-bootstrap interval and exact McNemar p-value,
 the share of the occlusion gap recovered, and the VisualChat VQA exact match (asked the template's
 prompt and held-out phrasings, with intervals), then the job times. The first seed's run is the README's

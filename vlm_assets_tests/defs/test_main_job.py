@@ -71,7 +71,7 @@ def test_main_job_materializes_the_graph_then_hits_the_cache(tmp_path, offline_d
     # so that a machine whose kernels round otherwise still passes.
     (report,) = [a for a in artifacts if a.startswith("eval_report/")]
     evaluation = json.loads((home / report / "eval.json").read_text())
-    assert evaluation["num_samples"] == 500 and evaluation["adapter_gain_ci95"][0] > 0.02, evaluation
+    assert evaluation["num_samples"] == 1000 and evaluation["adapter_gain_ci95"][0] > 0.02, evaluation
     vqa = json.loads((home / visualchat / "eval.json").read_text())["vqa"]["template"]
     assert vqa["num_images"] == 100 and vqa["ci95"][0] >= 0.3 + 0.15, vqa["ci95"]
     assert re.search(r"merged model: VQA exact match [\d.]+% on 100 held-out images \(chance 10%\)", first)
