@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from vlm_assets.storage.disk import private_download
 from vlm_assets._streaming import Stream, StreamingDataset, streaming_dataset
+from vlm_assets.storage.disk import private_download
 
 
 def collate_tokens(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:

@@ -23,9 +23,9 @@ in_process_unless_configured = dg.ExecutorDefinition(
 
 @dg.definitions
 def jobs() -> dg.Definitions:
+    """Return the jobs (the whole graph, ``token_chunks``, one per trainer) and the main schedule."""
     # token_chunks is partitioned (one run per partition or batch of them, by backfill): a job's assets
     # share one partitions definition, so it has its own job and the graph's job leaves it out.
-    """Return the jobs (the whole graph, ``token_chunks``, one per trainer) and the main schedule."""
     main_job = dg.define_asset_job(
         "main_job",
         selection=dg.AssetSelection.all() - dg.AssetSelection.assets("token_chunks"),

@@ -92,8 +92,8 @@ def adapter_gain_significant(judged: Judged) -> dg.AssetCheckResult:
 
 
 def build_report(step: Step) -> Built:
-    # heavy imports only when building: a cache hit needs none of them
     """Build the ``eval_report`` artifact: evaluate the trained adapter on the validation images, write the report."""
+    # heavy imports only when building: a cache hit needs none of them
     from vlm_assets.data.occlusion_dataset import OcclusionSamples, class_names
     from vlm_assets.evaluate.occlusion_eval import evaluate
     from vlm_assets.evaluate.report import accuracy_png, data_uri, markdown_table, write_report

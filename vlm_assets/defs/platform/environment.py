@@ -38,9 +38,9 @@ def profile(env: Mapping[str, str] = os.environ) -> str:
 
 
 def schedule_cron(env: Mapping[str, str] = os.environ) -> str:
+    """Return the schedule's cron string from ``VLM_ASSETS_SCHEDULE_CRON`` (default daily at 03:00), validated."""
     # Checked here with Dagster's own parser (not public API): Dagster rejects a bad cron only when
     # it builds the schedule, in an error that does not name the variable it came from.
-    """Return the schedule's cron string from ``VLM_ASSETS_SCHEDULE_CRON`` (default daily at 03:00), validated."""
     from dagster._utils.schedules import is_valid_cron_string
 
     cron = env.get("VLM_ASSETS_SCHEDULE_CRON", "0 3 * * *")
