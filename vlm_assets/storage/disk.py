@@ -99,19 +99,18 @@ def staged_write(directory: Path, what: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def private_download(target: Path) -> Iterator[Path]:
-    """Yield a path of this process's own beside ``target``; once the block ends, move it onto ``target``.
+    """Yield a fresh path of this process's own beside ``target``; when the block ends, move it onto ``target``.
 
     Processes that share a directory (the local launcher's nodes) may fetch one file at once: each
-    writes a name of its own, and a reader sees the whole file or none. boto3 cannot be left to it: it
-    names its temporary file from the global ``random`` module, which every rank seeds alike, so two
-    ranks wrote one temporary file and the second rename failed. A failed download leaves nothing.
+    writes in a directory of its own, and a reader sees the whole file or none. boto3 cannot be left to
+    it: it names its temporary file from the global ``random`` module, which every rank seeds alike, so
+    two ranks wrote one temporary file and the second rename failed. The yielded path does not exist
+    (downloaders such as mosaicml-streaming's skip a path that does). A failed download leaves nothing.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-    os.close(fd)
-    tmp = Path(name)
+    private = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
-        yield tmp
-        os.replace(tmp, target)
+        yield private / target.name
+        os.replace(private / target.name, target)
     finally:
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(private, ignore_errors=True)

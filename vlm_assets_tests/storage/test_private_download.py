@@ -1,7 +1,9 @@
-"""Two processes seeded alike (two ranks after ``seed_everything``) download one S3 object into one
-place at the same moment, from moto's server on loopback, through ``private_download``: both succeed,
-the file is whole, and no temporary file is left."""
+"""``private_download`` against moto's S3 server on loopback: two processes seeded alike (two ranks
+after ``seed_everything``) download one object into one place at the same moment and both succeed, the
+file whole, no temporary file left; and mosaicml-streaming's downloader, which skips a path that
+exists, still fetches through it (a token_shards artifact's ``tokens.json``)."""
 
+import json
 import multiprocessing
 import random
 from pathlib import Path
@@ -48,6 +50,17 @@ def test_two_ranks_download_one_object_into_one_place(s3_bucket, s3_endpoint, tm
     assert race(s3_endpoint, bucket, "shards/tokens.json", target) == [0, 0]
     assert target.read_bytes() == payload
     assert [p.name for p in target.parent.iterdir()] == ["tokens.json"]
+
+
+def test_streaming_fetches_a_token_summary_through_it(s3_bucket, s3_endpoint, tmp_path, monkeypatch):
+    from vlm_assets.data.token_stream import token_summary
+
+    client, bucket = s3_bucket
+    summary = {"max_length": 64, "vocab_size": 50257}
+    client.put_object(Bucket=bucket, Key="tokens/tokens.json", Body=json.dumps(summary).encode())
+    monkeypatch.setenv("S3_ENDPOINT_URL", s3_endpoint)  # streaming's name for a non-AWS endpoint
+    assert token_summary(f"s3://{bucket}/tokens", tmp_path / "cache") == summary
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tokens.json"]
 
 
 def test_a_failed_download_leaves_nothing(tmp_path):
