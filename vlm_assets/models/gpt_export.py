@@ -75,7 +75,8 @@ def export_hf(state: dict[str, torch.Tensor], config: GPTConfig, out_dir: Path, 
     model.save_pretrained(out_dir)
     if tokenizer_dir is not None:
         for path in tokenizer_dir.iterdir():
-            shutil.copy2(path, out_dir / path.name)
+            if path.is_file() and not path.name.startswith("."):  # not a download cut short (private_download)
+                shutil.copy2(path, out_dir / path.name)
     return out_dir
 
 

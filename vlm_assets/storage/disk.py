@@ -104,13 +104,16 @@ def private_download(target: Path) -> Iterator[Path]:
     Processes that share a directory (the local launcher's nodes) may fetch one file at once: each
     writes in a directory of its own, and a reader sees the whole file or none. boto3 cannot be left to
     it: it names its temporary file from the global ``random`` module, which every rank seeds alike, so
-    two ranks wrote one temporary file and the second rename failed. The yielded path does not exist
-    (downloaders such as mosaicml-streaming's skip a path that does). A failed download leaves nothing.
+    ranks sharing a directory would write one temporary file and all but one rename would fail. The
+    yielded path does not exist (downloaders such as mosaicml-streaming's skip a path that does). A
+    failed download leaves nothing; a block that wrote nothing raises ``FileNotFoundError`` naming it.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     private = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
         yield private / target.name
+        if not (private / target.name).exists():
+            raise FileNotFoundError(f"downloading {target} wrote nothing")
         os.replace(private / target.name, target)
     finally:
         shutil.rmtree(private, ignore_errors=True)

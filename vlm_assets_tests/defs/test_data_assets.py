@@ -264,7 +264,7 @@ def test_token_shards_on_s3_stream_back(embedded, offline_data, s3_bucket, s3_en
 
 @pytest.mark.slow  # loads the definitions in processes of their own
 def test_the_demo_profiles_counts_hold_only_for_its_own_source(offline_data, tmp_path):
-    """Under the demo profile (2,000 + 500 Fashion-MNIST images), a user who points occlusion_manifests at
+    """Under the demo profile (2,000 + 1,000 Fashion-MNIST images), a user who points occlusion_manifests at
     their own folder gets all of its images, not "num_train=2000 exceeds" a count they never set; the
     profile's own source keeps its counts, and a count the user gives is theirs. In a fresh process:
     the profile is applied when the definitions load."""
@@ -320,7 +320,7 @@ print(json.dumps({{
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert counts["profile"] == counts["profile_source_again"] == [2000, 500]
+    assert counts["profile"] == counts["profile_source_again"] == [2000, 1000]
     assert counts["folder"] == [None, None]
     assert counts["folder_with_a_count"] == [30, None]
     assert sum(counts["materialized"]) == 2 * len(labels)  # every image of the folder

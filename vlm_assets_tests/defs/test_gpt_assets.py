@@ -250,8 +250,8 @@ def test_a_timeout_then_a_longer_one_on_another_world_size_resumes_near_the_same
     resumes there: the consolidated checkpoint loads at the other world size, accumulation doubles,
     training ends at max_steps with its checks passing. The timeout is this machine's time for a whole
     uninterrupted run: the first checkpoint (step 6 of 30) comes before it. Not bit-exact across world
-    sizes (docs/training.md): the final val loss drifted by 0.12 nats (7.51 vs 7.39) when measured; the
-    bound here is 5 %. A resume at the same world size is exact: the killed-worker test's curve."""
+    sizes (docs/training.md): the bound on the final val loss is 5 %. A resume at the same world size
+    is exact: the killed-worker test's curve."""
     env = Env(tmp_path, mlflow_uri)
     freezer, frozen = _signal_after_checkpoints(env, str(tmp_path), 1, signal.SIGSTOP)
     timeout_s = math.ceil(ddp_run[0].seconds)

@@ -8,37 +8,41 @@ import multiprocessing
 import random
 from pathlib import Path
 
+import pytest
+
 from vlm_assets.storage.disk import private_download
 
 ROUNDS = 4
 
 
-def _download(endpoint: str, bucket: str, key: str, target: str, barrier, bare: bool) -> None:
+def _download(endpoint: str, bucket: str, key: str, target: str, barrier) -> None:
     import boto3
 
     random.seed(0)  # as every rank is: boto3's temporary names are drawn from this generator
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     for _ in range(ROUNDS):
         barrier.wait(timeout=120)
-        if bare:  # boto3 alone, for reproducing the race by hand: `_download(..., bare=True)`
-            client.download_file(bucket, key, target)
-            continue
         with private_download(Path(target)) as tmp:
             client.download_file(bucket, key, str(tmp))
 
 
-def race(endpoint: str, bucket: str, key: str, target: Path, bare: bool = False) -> list[int]:
-    """Run two downloading processes in step; return their exit codes."""
+def race(endpoint: str, bucket: str, key: str, target: Path) -> list[int | None]:
+    """Run two downloading processes in step; return their exit codes (None: still running, killed)."""
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(2)
     processes = [
-        context.Process(target=_download, args=(endpoint, bucket, key, str(target), barrier, bare)) for _ in range(2)
+        context.Process(target=_download, args=(endpoint, bucket, key, str(target), barrier)) for _ in range(2)
     ]
     for process in processes:
         process.start()
     for process in processes:
         process.join(timeout=300)
-    return [process.exitcode for process in processes]
+    codes = [process.exitcode for process in processes]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return codes
 
 
 def test_two_ranks_download_one_object_into_one_place(s3_bucket, s3_endpoint, tmp_path):
@@ -63,12 +67,17 @@ def test_streaming_fetches_a_token_summary_through_it(s3_bucket, s3_endpoint, tm
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tokens.json"]
 
 
-def test_a_failed_download_leaves_nothing(tmp_path):
+def test_a_failed_download_leaves_nothing_and_the_whole_file_stands(tmp_path):
     target = tmp_path / "tokens.json"
-    try:
-        with private_download(target) as tmp:
-            tmp.write_bytes(b"half")
-            raise ConnectionError("the server went away")
-    except ConnectionError:
-        pass
+    with pytest.raises(ConnectionError), private_download(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise ConnectionError("the server went away")
     assert list(tmp_path.iterdir()) == []
+
+    target.write_text("{}")
+    with pytest.raises(ConnectionError), private_download(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise ConnectionError("the server went away")
+    with pytest.raises(FileNotFoundError, match="wrote nothing"), private_download(target):
+        pass
+    assert target.read_text() == "{}" and [p.name for p in tmp_path.iterdir()] == ["tokens.json"]
