@@ -29,7 +29,6 @@ from pathlib import Path
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -199,6 +198,7 @@ class VisualChatModule(L.LightningModule):
         self.strict_loading = False  # checkpoints hold the trained weights only (exclude_frozen_parameters)
         self.step_losses: list[float] = []  # this optimizer step's micro-batch losses, over all ranks
         self.baseline_eval_loss: float | None = None
+        self.eval_loss, self.feature_misses, self.elapsed = 0.0, 0, 0.0  # after training, summed over ranks
         self.tokens, self.started = 0, 0.0  # this attempt's trained tokens (non-padding), from when it started
         # The attention layout is held from the batch's start to its end: with gradient checkpointing the
         # forward is recomputed inside backward, which Lightning runs outside training_step.
@@ -257,6 +257,18 @@ class VisualChatModule(L.LightningModule):
     def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
         """Leave the batch's attention layout."""
         self._layout.close()
+
+    def on_train_end(self) -> None:
+        """Stop the clock, sum the tokens and cache misses over ranks, measure the held-out loss.
+
+        Here rather than after ``fit``: Lightning's teardown moves the module to the CPU, where neither an
+        NCCL collective nor a large model's evaluation can run.
+        """
+        self.elapsed = time.perf_counter() - self.started
+        reduce = self.trainer.strategy.reduce
+        self.tokens = int(reduce(torch.tensor(float(self.tokens), device=self.device), reduce_op="sum"))
+        self.feature_misses = int(reduce(torch.tensor(self.model.feature_misses, device=self.device), reduce_op="sum"))
+        self.eval_loss = evaluate(self.model, self.evaluation, self.device)
 
     def configure_optimizers(self):
         """Return AdamW over the trainable parameters with a per-step linear warm-up."""
@@ -329,12 +341,8 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     )
     resume = run.latest_checkpoint()
     run.fit(trainer, module, resume, train_dataloaders=loader)
-    elapsed = time.perf_counter() - module.started
     if cached:
-        misses = trainer.strategy.reduce(torch.tensor(model.feature_misses, device=module.device), reduce_op="sum")
-        reporter.log(f"image features: {int(misses)} image(s) encoded by the steps (not in the cache)")
-    tokens = float(trainer.strategy.reduce(torch.tensor(float(module.tokens), device=module.device), reduce_op="sum"))
-    eval_loss = evaluate(model, evaluation, module.device)
+        reporter.log(f"image features: {module.feature_misses} image(s) encoded by the steps (not in the cache)")
     export(
         run,
         trainer,
@@ -343,10 +351,10 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
         evaluation,
         manifests,
         {
-            "eval_loss": eval_loss,
+            "eval_loss": module.eval_loss,
             "baseline_eval_loss": module.baseline_eval_loss,
             "steps": trainer.global_step,
-            "tokens_per_s": tokens / elapsed if module.tokens else 0.0,
+            "tokens_per_s": module.tokens / module.elapsed if module.tokens else 0.0,
             "train_loss": history.train[-1]["loss"],
             "trainable_parameters": trainable,
             "resumed_from_step": -1 if history.resumed_from_step is None else history.resumed_from_step,
@@ -422,7 +430,7 @@ def export(
             )
         (out / "history.json").write_text(json.dumps({"train": history, **metrics}))
         run.report(trainer, metrics)
-    dist.barrier()
+    trainer.strategy.barrier("visualchat exported")  # device_ids on NCCL, unlike a bare dist.barrier
 
 
 main = entry_point(VisualChatTrainConfig, train)
