@@ -45,17 +45,17 @@ def one(backbone_dir: str, micro: int, checkpointing: bool, global_batch: int, i
     prompts, answers = ["Answer with exactly one class label."] * micro, ["Ankle boot"] * micro
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def step():
-        for _ in range(global_batch // micro):
+    def step(micro_steps: int = global_batch // micro):
+        for _ in range(micro_steps):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 restored = adapter(pixels * (1 - mask), mask)
                 loss = backbone.loss(restored, prompts, answers) + 0.35 * masked_l1(restored, pixels, mask)
-            (loss / (global_batch // micro)).backward()
+            (loss / micro_steps).backward()
         torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()  # warm-up
+    step(1)  # warm-up: one micro-step compiles and allocates what every later one reuses
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -84,9 +84,12 @@ def gpu_name() -> str | None:
 
 def commit() -> str:
     """The checkout's commit, with ``+dirty`` when the working tree differs from it."""
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True)
-    return (head or "unknown") + ("+dirty" if dirty.stdout.strip() else "")
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True)
+    except OSError:  # no git on this machine
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if head and dirty.stdout.strip() else "")
 
 
 def header(command: str) -> dict:

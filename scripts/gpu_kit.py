@@ -98,17 +98,17 @@ PARTS = (
         "GPT-2 124M, bf16, seq 1024: seed model, ours eager and compiled, ours through the trainer (compiled)",
     ),
     Part(
-        "visualchat", 80, ("bench/bench_visualchat.py", "--zero2", "--steps", "12", "--warmup", "3"),
+        "visualchat", 55, ("bench/bench_visualchat.py", "--zero2", "--steps", "12", "--warmup", "3"),
         ("bench/bench_visualchat.py", "--zero2", "--rehearse", "--steps", "3", "--warmup", "1"),
         "CLIP ViT-L/14 + a 1.1B Llama shape, LoRA, DeepSpeed ZeRO-2 on 1 GPU, packed to 1024: tokens/s, MFU",
     ),
     Part(
-        "adapter", 70, ("bench/bench_adapter.py", "--qwen3b", "--image-size", "224", "--steps", "3"),
+        "adapter", 85, ("bench/bench_adapter.py", "--qwen3b", "--image-size", "224", "--steps", "2"),
         ("bench/bench_adapter.py", "--steps", "1"),
         "the occlusion adapter on a Qwen2.5-VL-3B shape (bf16 on the GPU): samples/s against the seed's settings",
     ),
     Part(
-        "tests", 70, ("@pytest", "-m", "gpu", *GPU_TESTS),
+        "tests", 80, ("@pytest", "-m", "gpu", *GPU_TESTS),
         ("@pytest", "-m", "not gpu", "vlm_assets_tests/train/test_visualchat_train.py::"
          "test_zero2_two_processes_train_merge_export_and_answer", "vlm_assets_tests/models/test_gpt.py"),
         "the gpu-marked engine tests (VisualChat ZeRO-2 bf16 on NCCL, torch.compile against eager); "
@@ -470,9 +470,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # the machine's own
 
     device = "CPU" if args.rehearse or not torch.cuda.is_available() else torch.cuda.get_device_name()
+    sys.path.insert(0, str(REPO / "bench"))
+    import results_file  # the bench's own header fields (stdlib only)
+
+    cpu = results_file.cpu()
     header = {
+        # The GPU machine gets a copy of the working tree without .git: the caller names the commit.
+        "commit": os.environ.get("GPU_CHECK_COMMIT") or results_file.commit(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "device": device,
+        "cpu": f"{cpu['model']} ({', '.join(cpu['vector_extensions']) or 'no AVX2'}), {cpu['cores']} cores",
         "driver": _driver(),
         "python": f"{sys.executable} ({platform.python_version()})",
         "rehearse": args.rehearse,
