@@ -58,3 +58,27 @@ def test_ruff_passes_on_the_tree_and_fails_on_an_unused_import(tmp_path):
     assert lint.returncode != 0 and f"vlm_assets/paths.py:{lines + 4}:12: F401" in lint.stdout, lint.stdout
     bad.write_text(bad.read_text().replace("    import json\n", "    import json;x=1\n"))
     assert subprocess.run([BIN / "ruff", "format", "--check", "--quiet", "."], cwd=root).returncode != 0
+
+
+def _comments_above_docstrings(root: Path) -> list[str]:
+    """Every function or class whose body opens with a comment and then its docstring, as path:line."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and ast.get_docstring(node):
+                above = lines[node.body[0].lineno - 2].strip()  # the line right above the docstring
+                if above.startswith("#"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_a_docstring_opens_its_function_before_any_comment(tmp_path):
+    """The one-line contract comes first; a comment placed above it reads as the function's summary."""
+    for package in ("vlm_assets", "vlm_assets_tests", "bench", "scripts"):
+        assert _comments_above_docstrings(REPO / package) == [], package
+    bad = tmp_path / "bad.py"
+    bad.write_text('def f():\n    # why\n    """Contract."""\n    return 1\n\n\ndef g():\n    """Contract."""\n')
+    assert _comments_above_docstrings(tmp_path) == ["bad.py:1"]

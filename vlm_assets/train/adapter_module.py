@@ -28,8 +28,8 @@ class AdapterModule(L.LightningModule):
         self.strict_loading = False  # checkpoints hold the adapter only
 
     def configure_model(self) -> None:
-        # Reconstruction alone (warm-up spans every epoch) never runs the backbone: do not load it.
         """Load the frozen backbone once, unless the reconstruction warm-up spans every epoch."""
+        # Reconstruction alone (warm-up spans every epoch) never runs the backbone: do not load it.
         if self.backbone is None and self.config.optimizer.reconstruction_warmup_epochs < self.config.optimizer.epochs:
             dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
             self.backbone = load_backbone(
@@ -80,8 +80,8 @@ class AdapterModule(L.LightningModule):
         )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # Never the backbone: a checkpoint is the adapter (kilobytes) plus optimizer and loop state.
         """Keep only the adapter's weights in the checkpoint, never the backbone's."""
+        # Never the backbone: a checkpoint is the adapter (kilobytes) plus optimizer and loop state.
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith(ADAPTER_PREFIX)}
 
     def train(self, mode: bool = True):

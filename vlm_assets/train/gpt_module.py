@@ -84,12 +84,12 @@ class GPTPretrainModule(L.LightningModule):
             self.log("val/perplexity", perplexity(loss), sync_dist=True)
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        """Clip the gradients to the configured norm (of the full gradient, DDP or FSDP2) and log it."""
         # Gradient clipping, one code path for both strategies. Under DDP the gradients are already
         # all-reduced, so the local norm is the global one. Under FSDP2 the gradients are DTensor
         # shards: torch.nn.utils.clip_grad_norm_ computes each shard's norm and all-reduces them
         # through DTensor, so the clipping uses the norm of the *full* gradient (what torchtitan does;
         # Lightning's own norm clipping is refused for sharded strategies for this reason).
-        """Clip the gradients to the configured norm (of the full gradient, DDP or FSDP2) and log it."""
         if self.config.optimizer.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), self.config.optimizer.grad_clip, foreach=True
@@ -182,8 +182,8 @@ class TokenDataModule(L.LightningDataModule):
         return {"stream": self.train_data.state_dict(self._consumed, from_beginning=False)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the stream's position, picked up at its next iteration."""
         # Lightning restores after setup() and before the train loader is first iterated: streaming
         # picks the position up at its next __iter__.
-        """Restore the stream's position, picked up at its next iteration."""
         if "stream" in state:
             self.train_data.load_state_dict(state["stream"])

@@ -131,10 +131,9 @@ class StepRunMLFlowLogger(MLFlowLogger):
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:
+        """Leave the MLflow run open: the Dagster step ends it."""
         # MLFlowLogger.finalize ends the run when fit returns: before the step has exported and
         # committed the model, and as FINISHED even when the step fails after training.
-        """Leave the MLflow run open: the Dagster step ends it."""
-        pass
 
 
 class TrainingHistory(L.Callback):
