@@ -137,7 +137,7 @@ def s3_endpoint(tmp_path_factory):
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     yield url
     proc.terminate()
-    proc.wait(timeout=10)
+    proc.wait(timeout=BOUND_S)
 
 
 @pytest.fixture
@@ -207,7 +207,7 @@ def mlflow_serve(model_uri: str, tracking_uri: str, log: Path):
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
-            server.wait(timeout=30)
+            server.wait(timeout=BOUND_S)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from vlm_assets_tests.waiting import BOUND_S
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -133,7 +135,7 @@ def test_the_full_disk_stays_full_until_its_fault_ends(tmp_path):
         [*soak.UNSHARE, sys.executable, "-c", FULL_DISK, str(REPO / "bench"), str(disk)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=BOUND_S,
     )
     assert proc.returncode == 0, proc.stderr
     (full, size), (freed,), (refilled,) = [map(int, line.split()) for line in proc.stdout.splitlines()]
