@@ -198,8 +198,9 @@ class VisualChatModule(L.LightningModule):
         self.strict_loading = False  # checkpoints hold the trained weights only (exclude_frozen_parameters)
         self.step_losses: list[float] = []  # this optimizer step's micro-batch losses, over all ranks
         self.baseline_eval_loss: float | None = None
-        self.eval_loss, self.feature_misses, self.elapsed = 0.0, 0, 0.0  # after training, summed over ranks
-        self.tokens, self.started = 0, 0.0  # this attempt's trained tokens (non-padding), from when it started
+        self.eval_loss: float | None = None  # held-out loss after training (finish)
+        self.feature_misses, self.elapsed = 0, 0.0  # after training: over every rank, and this attempt's time
+        self.tokens, self.started = 0, 0.0  # this attempt's trained tokens (non-padding; finish sums the ranks')
         # The attention layout is held from the batch's start to its end: with gradient checkpointing the
         # forward is recomputed inside backward, which Lightning runs outside training_step.
         self._layout = contextlib.ExitStack()
@@ -259,16 +260,21 @@ class VisualChatModule(L.LightningModule):
         self._layout.close()
 
     def on_train_end(self) -> None:
-        """Stop the clock, sum the tokens and cache misses over ranks, measure the held-out loss.
+        """Finish on the training device.
 
         Here rather than after ``fit``: Lightning's teardown moves the module to the CPU, where neither an
         NCCL collective nor a large model's evaluation can run.
         """
+        self.finish(self.device, self.device)
+
+    def finish(self, collective_device: torch.device, model_device: torch.device) -> None:
+        """Stop the clock, sum the tokens and cache misses over ranks, measure the held-out loss."""
         self.elapsed = time.perf_counter() - self.started
         reduce = self.trainer.strategy.reduce
-        self.tokens = int(reduce(torch.tensor(float(self.tokens), device=self.device), reduce_op="sum"))
-        self.feature_misses = int(reduce(torch.tensor(self.model.feature_misses, device=self.device), reduce_op="sum"))
-        self.eval_loss = evaluate(self.model, self.evaluation, self.device)
+        self.tokens = int(reduce(torch.tensor(self.tokens, device=collective_device), reduce_op="sum"))
+        misses = torch.tensor(self.model.feature_misses, device=collective_device)
+        self.feature_misses = int(reduce(misses, reduce_op="sum"))
+        self.eval_loss = evaluate(self.model, self.evaluation, model_device)
 
     def configure_optimizers(self):
         """Return AdamW over the trainable parameters with a per-step linear warm-up."""
@@ -341,6 +347,8 @@ def train(run: TrainerRun[VisualChatTrainConfig]) -> None:
     )
     resume = run.latest_checkpoint()
     run.fit(trainer, module, resume, train_dataloaders=loader)
+    if module.eval_loss is None:  # resumed at its last step: Lightning ran no training loop, no on_train_end
+        module.finish(trainer.strategy.root_device, module.device)
     if cached:
         reporter.log(f"image features: {module.feature_misses} image(s) encoded by the steps (not in the cache)")
     export(

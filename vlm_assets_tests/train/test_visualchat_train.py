@@ -7,6 +7,7 @@ training naming the file and line."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,6 +206,18 @@ def test_sigkill_mid_training_resumes_at_the_same_step_and_loss_curve(zero2, inp
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+@pytest.mark.slow
+def test_a_run_resumed_at_its_last_step_measures_the_held_out_loss_again(zero2, inputs, tmp_path):
+    """A retry after training ended (its export failed, say) resumes at the last checkpoint, where
+    Lightning runs no training loop and so no on_train_end: the held-out loss is measured all the same."""
+    finished, work = zero2
+    shutil.copytree(work / "store", tmp_path / "store")
+    resumed = train(inputs, tmp_path, config(inputs))
+    assert resumed["resumed_from_step"] == 6 and resumed["steps"] == 6
+    assert resumed["eval_loss"] == pytest.approx(finished["eval_loss"], rel=1e-5)
+    assert resumed["eval_loss"] < resumed["baseline_eval_loss"]
 
 
 @pytest.mark.slow
