@@ -99,7 +99,7 @@ PARTS = (
     ),
     Part(
         "visualchat", 55,
-        ("bench/bench_visualchat.py", "--zero2", "--micro-batch", "8", "--steps", "12", "--warmup", "3"),
+        ("bench/bench_visualchat.py", "--zero2", "--micro-batch", "8", "--steps", "8", "--warmup", "2"),
         ("bench/bench_visualchat.py", "--zero2", "--rehearse", "--steps", "3", "--warmup", "1"),
         "CLIP ViT-L/14 + a 1.1B Llama shape, LoRA, DeepSpeed ZeRO-2 on 1 GPU, 8 rows packed to 1024: tokens/s, MFU",
     ),

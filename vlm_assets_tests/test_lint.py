@@ -1,5 +1,6 @@
 """The lint stage of scripts/test.sh (= .ci/run) fails on what it is there to catch: a broken layer
-contract and a lint error, each on a copy of the package with one bad line added."""
+contract and a lint error, each on a copy of the package with one bad line added; and every docstring
+opens its function, before any comment."""
 
 import os
 import shutil
@@ -69,8 +70,9 @@ def _comments_above_docstrings(root: Path) -> list[str]:
         lines = path.read_text().splitlines()
         for node in ast.walk(ast.parse("\n".join(lines))):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and ast.get_docstring(node):
-                above = lines[node.body[0].lineno - 2].strip()  # the line right above the docstring
-                if above.startswith("#"):
+                at = node.body[0].lineno
+                above = lines[at - 2].strip()  # the line right above the docstring
+                if at > node.lineno + 1 and above.startswith("#"):
                     found.append(f"{path.relative_to(root)}:{node.lineno}")
     return found
 
@@ -80,5 +82,9 @@ def test_a_docstring_opens_its_function_before_any_comment(tmp_path):
     for package in ("vlm_assets", "vlm_assets_tests", "bench", "scripts"):
         assert _comments_above_docstrings(REPO / package) == [], package
     bad = tmp_path / "bad.py"
-    bad.write_text('def f():\n    # why\n    """Contract."""\n    return 1\n\n\ndef g():\n    """Contract."""\n')
+    bad.write_text(
+        'def f():\n    # why\n    """Contract."""\n    return 1\n\n\n'
+        '@staticmethod\ndef g(\n    x,\n):\n    """Contract."""\n\n\n'
+        '# a comment above a one-line function\ndef h(): """Contract."""\n'
+    )
     assert _comments_above_docstrings(tmp_path) == ["bad.py:1"]
