@@ -2,6 +2,7 @@
 (gloo): the adapter's ZeRO-2 and VisualChat's ZeRO-2/3 train through it."""
 
 import argparse
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,15 @@ class StoreDeepSpeedStrategy(DeepSpeedStrategy):
     def __init__(self, checkpoint_io: StoreCheckpointIO, **kwargs):
         super().__init__(**kwargs)
         self.committer = checkpoint_io
+
+    def _init_deepspeed_distributed(self) -> None:
+        """Initialise DeepSpeed's process group; on one rank, mute torch's warning on DeepSpeed's own barriers."""
+        super()._init_deepspeed_distributed()
+        if self.world_size == 1:
+            # DeepSpeed binds no device to a single rank's NCCL group (deepspeedai/DeepSpeed#8248), and its
+            # save_checkpoint calls dist.barrier() without device_ids: torch then warns that it uses the
+            # current device, which Lightning has set to this rank's, the only one there is.
+            warnings.filterwarnings("ignore", "barrier\\(\\): using the device under current context", UserWarning)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """Write the checkpoint's shards from every rank into one staging folder; rank 0 then commits it."""
