@@ -8,8 +8,8 @@
 #   and each file's digest, and the results name that commit only if no file has changed since)
 #   scripts/gpu-check.sh --rehearse    # on a CPU: the same parts at tiny sizes (CI: scripts/gpu-like-env.sh)
 # Figures go to $OUT (default var/gpu-check/): results.json and results.md after each part, a log per
-# part (each line with its seconds into the part). The interpreter: $GPU_CHECK_PYTHON, else the machine's python3 when it has torch (the GPU
-# machine's), else the project's .venv. Exits 1 when a part fails or overruns its limit.
+# part (each line with its seconds into the part). The interpreter: $GPU_CHECK_PYTHON, else the
+# machine's python3 when it has torch (the GPU machine's), else the project's .venv. Exits 1 when a part fails or overruns its limit.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${GPU_CHECK_PYTHON:-python3}"

@@ -156,12 +156,9 @@ def stamp_tree(root: Path) -> dict:
     The GPU machine gets the working tree without ``.git``: the stamp, carried, lets the kit there name the commit
     it runs and notice a tree that has moved on since (``tree_commit``).
     """
-    sys.path.insert(0, str(REPO / "bench"))
-    import results_file  # stdlib only
-
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
     names = [name for name in listed.decode().split("\0") if name and (REPO / name).is_file()]
-    stamp = {"commit": results_file.commit(), "files": {name: _digest(REPO / name) for name in names}}
+    stamp = {"commit": _results_file().commit(), "files": {name: _digest(REPO / name) for name in names}}
     root.mkdir(parents=True, exist_ok=True)
     (root / TREE_STAMP).write_text(json.dumps(stamp, indent=0) + "\n")
     return stamp
@@ -169,11 +166,8 @@ def stamp_tree(root: Path) -> dict:
 
 def tree_commit(root: Path) -> str:
     """The commit the working tree is: git's answer in a checkout, else the carry's stamp checked file by file."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import results_file
-
     if (REPO / ".git").exists():
-        return results_file.commit()
+        return _results_file().commit()
     if not (root / TREE_STAMP).is_file():
         return "unknown (no .git and no tree stamp in the carry: scripts/gpu-check.sh --plan writes it)"
     stamp = json.loads((root / TREE_STAMP).read_text())
@@ -181,6 +175,14 @@ def tree_commit(root: Path) -> str:
     if changed:
         return f"unknown: {len(changed)} file(s) differ from {stamp['commit']} ({', '.join(changed[:3])})"
     return stamp["commit"]
+
+
+def _results_file():
+    """The benches' header module (bench/results_file.py, stdlib only)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import results_file
+
+    return results_file
 
 
 def _digest(path: Path) -> str | None:
@@ -516,10 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # the machine's own
 
     device = "CPU" if args.rehearse or not torch.cuda.is_available() else torch.cuda.get_device_name()
-    sys.path.insert(0, str(REPO / "bench"))
-    import results_file  # the bench's own header fields (stdlib only)
-
-    cpu = results_file.cpu()
+    cpu = _results_file().cpu()
     header = {
         "commit": tree_commit(args.carry),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
