@@ -82,11 +82,13 @@ def gpu_name() -> str | None:
     return out.stdout.splitlines()[0].split(",")[0].strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
-def commit() -> str:
-    """The checkout's commit, with ``+dirty`` when the working tree differs from it."""
+def commit(repo: Path = REPO, untracked: bool = False) -> str:
+    """The checkout's commit, with ``+dirty`` when a tracked file differs from it (``untracked``: or a file
+    git does not ignore is untracked)."""
+    mode = "--untracked-files=normal" if untracked else "--untracked-files=no"
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", mode], cwd=repo, capture_output=True)
     except OSError:  # no git on this machine
         return "unknown"
     return (head or "unknown") + ("+dirty" if head and dirty.stdout.strip() else "")

@@ -2,6 +2,7 @@
 
     scripts/gpu-check.sh --plan            # anywhere: the parts, their limits, the carry and its size
     scripts/gpu-check.sh --fetch           # here (PyPI reachable): the carry, into .gpu-carry/
+    scripts/gpu-check.sh --stamp           # here, after the last commit: the carry names the tree's commit
     scripts/gpu-check.sh                   # on the GPU machine (carry .gpu-carry): every part, <= 7.5 min
     scripts/gpu-check.sh --only gpt        # one part again
     scripts/gpu-check.sh --rehearse        # on a CPU: the same parts at tiny sizes (gloo, fp32)
@@ -15,7 +16,8 @@ ops, which it JIT-builds with the machine's nvcc), and the real data the parts r
 kit appends its figures to ``$OUT/results.json`` and ``$OUT/results.md``: a part killed at its limit
 leaves the others' figures and the rows it had.
 
-Standard library only until a part runs: ``--plan`` and ``--fetch`` run anywhere.
+Standard library only until a part runs: ``--plan`` and ``--fetch`` run anywhere, ``--stamp``
+in a git checkout.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ PARTS = (
         "CLIP ViT-L/14 + a 1.1B Llama shape, LoRA, DeepSpeed ZeRO-2 on 1 GPU, 8 rows packed to 1024: tokens/s, MFU",
     ),
     Part(
-        "adapter", 105, ("bench/bench_adapter.py", "--qwen3b", "--image-size", "224", "--steps", "2"),
+        "adapter", 100, ("bench/bench_adapter.py", "--qwen3b", "--image-size", "224", "--steps", "2"),
         ("bench/bench_adapter.py", "--steps", "1"),
         "the occlusion adapter on a Qwen2.5-VL-3B shape (bf16 on the GPU): samples/s against the seed's settings",
     ),
@@ -151,14 +153,20 @@ def carry_problems(root: Path) -> list[str]:
 
 
 def stamp_tree(root: Path) -> dict:
-    """Write ``root/tree.json``: the checkout's commit and a digest of each tracked file, as they are now.
+    """Write ``root/tree.json``: the checkout's commit and a digest of each file the device tool sends.
 
-    The GPU machine gets the working tree without ``.git``: the stamp, carried, lets the kit there name the commit
-    it runs and notice a tree that has moved on since (``tree_commit``).
+    The GPU machine gets the working tree without ``.git`` (tracked files and untracked ones git does not
+    ignore): the stamp, carried, lets the kit there name the commit it runs (``+dirty`` where the tree was
+    not that commit when stamped) and notice a tree that has moved on since (``tree_commit``).
     """
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    if not (REPO / ".git").exists():
+        raise SystemExit(f"gpu-check: {REPO} is not a git checkout: nothing to stamp the carry with")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True
+    ).stdout
     names = [name for name in listed.decode().split("\0") if name and (REPO / name).is_file()]
-    stamp = {"commit": _results_file().commit(), "files": {name: _digest(REPO / name) for name in names}}
+    files = {name: _digest(REPO / name) for name in names}
+    stamp = {"commit": _results_file().commit(REPO, untracked=True), "files": files}
     root.mkdir(parents=True, exist_ok=True)
     (root / TREE_STAMP).write_text(json.dumps(stamp, indent=0) + "\n")
     return stamp
@@ -167,7 +175,7 @@ def stamp_tree(root: Path) -> dict:
 def tree_commit(root: Path) -> str:
     """The commit the working tree is: git's answer in a checkout, else the carry's stamp checked file by file."""
     if (REPO / ".git").exists():
-        return _results_file().commit()
+        return _results_file().commit(REPO, untracked=True)
     if not (root / TREE_STAMP).is_file():
         return "unknown (no .git and no tree stamp in the carry: scripts/gpu-check.sh --plan writes it)"
     stamp = json.loads((root / TREE_STAMP).read_text())
@@ -179,7 +187,7 @@ def tree_commit(root: Path) -> str:
 
 def _results_file():
     """The benches' header module (bench/results_file.py, stdlib only)."""
-    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import results_file
 
     return results_file
@@ -467,11 +475,8 @@ def _cell(value) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--plan",
-        action="store_true",
-        help="print the parts, their limits and the carry, stamp the carry with the tree's commit; no GPU",
-    )
+    parser.add_argument("--plan", action="store_true", help="print the parts, their limits and the carry; no GPU")
+    parser.add_argument("--stamp", action="store_true", help="stamp the carry with the tree's commit (before a call)")
     parser.add_argument("--json", action="store_true", help="with --plan: as JSON")
     parser.add_argument("--fetch", action="store_true", help="download the carry (needs PyPI)")
     parser.add_argument("--python", default=PYTHON, help=f"with --fetch: the Python the wheels are for ({PYTHON})")
@@ -490,15 +495,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.carried:
         print(" ".join(wheel for wheels in CARRIED.values() for wheel in wheels))
         return 0
+    if args.stamp:
+        print(f"gpu-check: {args.carry / TREE_STAMP}: {stamp_tree(args.carry)['commit']}")
+        return 0
     if args.plan:
-        if args.carry.is_dir() and (REPO / ".git").exists():
-            stamp_tree(args.carry)
         p = plan(args.carry)
         print(json.dumps(p, indent=1)) if args.json else print_plan(p)
         return 1 if p["problems"] else 0
     if args.fetch:
         fetch(args.carry, args.python)
-        stamp_tree(args.carry)
+        if (REPO / ".git").exists():
+            stamp_tree(args.carry)
         print_plan(p := plan(args.carry))
         return 1 if p["problems"] or not p["carry"]["complete"] else 0
     names = [p.name for p in PARTS]

@@ -1,8 +1,9 @@
-"""The GPU kit's CPU side (scripts/gpu-check.sh, scripts/gpu_kit.py): its plan fits one 7-minute device
-call, an oversized carry, a long plan or an incomplete carry is refused naming it, what it runs on the
-GPU machine imports no Dagster or MLflow (they are not carried), a part past its limit keeps its rows,
-a skipped test fails a run that asks for it, and the whole kit rehearses on CPU in an environment
-holding only the GPU machine's packages and the carry (installed offline)."""
+"""The GPU kit's CPU side (scripts/gpu-check.sh, scripts/gpu_kit.py): its plan fits one 7.5-minute device
+call, the carry's stamp names the commit a copy without .git is, an oversized carry, a long plan or an
+incomplete carry is refused naming it, what it runs on the GPU machine imports no Dagster or MLflow (they
+are not carried), a part past its limit keeps its rows, a skipped test fails a run that asks for it, and
+the whole kit rehearses on CPU in an environment holding only the GPU machine's packages and the carry
+(installed offline)."""
 
 import importlib.util
 import json
@@ -90,20 +91,38 @@ def test_an_incomplete_carry_is_named_and_an_unknown_part_lists_the_parts(tmp_pa
 
 def test_a_copy_without_git_is_named_by_the_carrys_stamp_until_a_file_differs(tmp_path):
     kit = gpu_kit()
-    stamp = kit.stamp_tree(tmp_path / "carry")
-    assert stamp["commit"] == kit.tree_commit(tmp_path / "carry")  # in the checkout: git's own answer
-    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    for name in tracked.split():  # the device tool's copy: the files, no .git
-        if (REPO / name).is_file():
-            (tmp_path / "tree" / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, tmp_path / "tree" / name)
-    kit.REPO = tmp_path / "tree"
-    assert kit.tree_commit(tmp_path / "carry") == stamp["commit"]
-    with open(tmp_path / "tree" / "README.md", "a") as f:
-        f.write("edited after the stamp\n")
-    commit = kit.tree_commit(tmp_path / "carry")
-    assert commit.startswith("unknown: 1 file(s) differ from ") and commit.endswith("(README.md)"), commit
+    checkout, copy, carry = tmp_path / "checkout", tmp_path / "copy", tmp_path / "carry"
+    checkout.mkdir()
+    (checkout / ".gitignore").write_text("var/\n")
+    (checkout / "train.py").write_text("steps = 10\n")
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=checkout, check=True,
+                             capture_output=True, text=True)  # fmt: skip
+        return run.stdout.strip()
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "x")
+    head = git("rev-parse", "HEAD")
+    kit.REPO = checkout
+    assert kit.stamp_tree(carry)["commit"] == head
+    (checkout / "var").mkdir()
+    (checkout / "var" / "out.txt").write_text("ignored: never sent\n")
+    (checkout / "conftest.py").write_text("untracked, sent\n")
+    stamp = kit.stamp_tree(carry)
+    assert stamp["commit"] == head + "+dirty" and set(stamp["files"]) == {".gitignore", "train.py", "conftest.py"}
+
+    shutil.copytree(checkout, copy, ignore=shutil.ignore_patterns(".git"))  # the device tool's copy
+    kit.REPO = copy
+    assert kit.tree_commit(carry) == head + "+dirty"
+    (copy / "train.py").write_text("steps = 20\n")
+    assert kit.tree_commit(carry) == f"unknown: 1 file(s) differ from {head}+dirty (train.py)"
+    (copy / "conftest.py").unlink()
+    assert kit.tree_commit(carry) == f"unknown: 2 file(s) differ from {head}+dirty (conftest.py, train.py)"
     assert kit.tree_commit(tmp_path / "elsewhere").startswith("unknown (no .git and no tree stamp")
+    with pytest.raises(SystemExit, match="not a git checkout"):
+        kit.stamp_tree(carry)
 
 
 @pytest.mark.slow  # imports every part in a process of its own

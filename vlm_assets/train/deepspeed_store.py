@@ -37,7 +37,9 @@ class StoreDeepSpeedStrategy(DeepSpeedStrategy):
         if self.world_size == 1:
             # DeepSpeed binds no device to a single rank's NCCL group (deepspeedai/DeepSpeed#8248), and its
             # save_checkpoint calls dist.barrier() without device_ids: torch then warns that it uses the
-            # current device, which Lightning has set to this rank's, the only one there is.
+            # current device, which Lightning has set to this rank's. With one rank there is no other
+            # device a barrier could pick, so the filter is process-wide (torch attributes the warning to
+            # its own c10d_logger, not to the caller, so a module filter cannot scope it to DeepSpeed).
             warnings.filterwarnings("ignore", "barrier\\(\\): using the device under current context", UserWarning)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
