@@ -48,6 +48,13 @@ def main_job(code: Path, kernels: dict) -> dict:
     }
 
 
+def capability(kernels: dict) -> str:
+    """The CPU kernels torch picks in a process with ``kernels``' environment (the header's are this process's)."""
+    probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    proc = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **kernels}, capture_output=True, text=True)
+    return proc.stdout.strip() or f"unknown ({proc.stderr.strip()[-200:]})"
+
+
 def suite(code: Path, kernels: dict) -> dict:
     """Wall seconds of the CPU suite of ``code`` (its own tests, this environment) and its closing line."""
     env = {**os.environ, **kernels, "PYTHONPATH": str(code), "CUDA_VISIBLE_DEVICES": ""}
@@ -78,6 +85,7 @@ def main() -> None:
     rev = subprocess.run(["git", "rev-parse", args.baseline], cwd=REPO, capture_output=True, text=True)
     codes = {f"baseline {rev.stdout.strip()[:10]}": baseline, "this checkout": REPO}
     results: dict = {}
+    ran = {kernel: capability(results_file.KERNELS[kernel]) for kernel in args.kernels}
     try:
         for kernel in args.kernels:
             for name, code in codes.items():
@@ -92,7 +100,9 @@ def main() -> None:
     lines = []
     for kernel, by_code in results.items():
         (old_name, old), (new_name, new) = by_code.items()
-        lines += [f"## {kernel} kernels", "", f"| | {old_name} | {new_name} | new / old |", "|---|---:|---:|---:|"]
+        env = " ".join(f"{k}={v}" for k, v in results_file.KERNELS[kernel].items()) or "no override"
+        lines += [f"## {kernel} kernels", "", f"Both runs' processes: {env}; torch ran its {ran[kernel]} kernels.", ""]
+        lines += [f"| | {old_name} | {new_name} | new / old |", "|---|---:|---:|---:|"]
         pairs = [("main_job, first run (s)", old["main_job"]["seconds"], new["main_job"]["seconds"])]
         for step in dict.fromkeys([*old["main_job"]["steps"], *new["main_job"]["steps"]]):
             pairs.append((f"  {step} (s)", old["main_job"]["steps"].get(step), new["main_job"]["steps"].get(step)))
@@ -112,7 +122,7 @@ def main() -> None:
     print(markdown)
     if args.write:
         head = results_file.header(" ".join(["bench/bench_speed.py", *sys.argv[1:]]))
-        data = {"baseline": rev.stdout.strip(), "results": results}
+        data = {"baseline": rev.stdout.strip(), "kernels_ran": ran, "results": results}
         print(f"wrote {results_file.write('speed', head, markdown, data)}")
 
 
