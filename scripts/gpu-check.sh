@@ -21,7 +21,7 @@ fi
 case " $* " in
   *" --plan "*|*" --fetch "*|*" --stamp "*|*" --rehearse "*|*" --help "*|*" -h "*) ;;
   *) "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
-       || { echo "gpu-check: no CUDA device visible to $python's torch (--plan, --fetch and --rehearse need none)" >&2; exit 2; }
+       || { echo "gpu-check: no CUDA device visible to $python's torch (--plan, --fetch, --stamp and --rehearse need none)" >&2; exit 2; }
      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true ;;
 esac
 exec "$python" "$repo/scripts/gpu_kit.py" "$@"

@@ -135,12 +135,16 @@ def carry_files(root: Path) -> list[tuple[str, int]]:
     return sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*") if p.is_file())
 
 
-def tree_size() -> int:
+def sent_files() -> list[str]:
     """What the device tool sends beside the carry: tracked and untracked-not-ignored files."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True
     ).stdout
-    return sum((REPO / name).stat().st_size for name in listed.decode().split("\0") if name and (REPO / name).is_file())
+    return [name for name in listed.decode().split("\0") if name and (REPO / name).is_file()]
+
+
+def tree_size() -> int:
+    return sum((REPO / name).stat().st_size for name in sent_files())
 
 
 def carry_problems(root: Path) -> list[str]:
@@ -161,11 +165,7 @@ def stamp_tree(root: Path) -> dict:
     """
     if not (REPO / ".git").exists():
         raise SystemExit(f"gpu-check: {REPO} is not a git checkout: nothing to stamp the carry with")
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True
-    ).stdout
-    names = [name for name in listed.decode().split("\0") if name and (REPO / name).is_file()]
-    files = {name: _digest(REPO / name) for name in names}
+    files = {name: _digest(REPO / name) for name in sent_files()}
     stamp = {"commit": _results_file().commit(REPO, untracked=True), "files": files}
     root.mkdir(parents=True, exist_ok=True)
     (root / TREE_STAMP).write_text(json.dumps(stamp, indent=0) + "\n")
@@ -177,7 +177,7 @@ def tree_commit(root: Path) -> str:
     if (REPO / ".git").exists():
         return _results_file().commit(REPO, untracked=True)
     if not (root / TREE_STAMP).is_file():
-        return "unknown (no .git and no tree stamp in the carry: scripts/gpu-check.sh --plan writes it)"
+        return "unknown (no .git and no tree stamp in the carry: scripts/gpu-check.sh --stamp writes it)"
     stamp = json.loads((root / TREE_STAMP).read_text())
     changed = [name for name, digest in stamp["files"].items() if _digest(REPO / name) != digest]
     if changed:
