@@ -107,7 +107,7 @@ PARTS = (
         "CLIP ViT-L/14 + a 1.1B Llama shape, LoRA, DeepSpeed ZeRO-2 on 1 GPU, 8 rows packed to 1024: tokens/s, MFU",
     ),
     Part(
-        "adapter", 100, ("bench/bench_adapter.py", "--qwen3b", "--image-size", "224", "--steps", "2"),
+        "adapter", 100, ("bench/bench_adapter.py", "--qwen3b", "--image-size", "224", "--steps", "1"),
         ("bench/bench_adapter.py", "--steps", "1"),
         "the occlusion adapter on a Qwen2.5-VL-3B shape (bf16 on the GPU): samples/s against the seed's settings",
     ),
