@@ -173,10 +173,14 @@ def stamp_tree(root: Path) -> dict:
 
 
 def tree_commit(root: Path) -> str:
-    """The commit the working tree is: git's answer in a checkout, else the carry's stamp checked file by file."""
-    if (REPO / ".git").exists():
-        return _results_file().commit(REPO, untracked=True)
+    """The commit the working tree is: the carry's stamp checked file by file, else git's answer.
+
+    The stamp decides wherever it is carried: the GPU machine's copy of the tree may hold a ``.git`` of an
+    older commit than the one the files are.
+    """
     if not (root / TREE_STAMP).is_file():
+        if (REPO / ".git").exists():
+            return _results_file().commit(REPO, untracked=True)
         return "unknown (no .git and no tree stamp in the carry: scripts/gpu-check.sh --stamp writes it)"
     stamp = json.loads((root / TREE_STAMP).read_text())
     changed = [name for name, digest in stamp["files"].items() if _digest(REPO / name) != digest]

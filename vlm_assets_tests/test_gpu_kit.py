@@ -124,6 +124,13 @@ def test_a_copy_without_git_is_named_by_the_carrys_stamp_until_a_file_differs(tm
     with pytest.raises(SystemExit, match="not a git checkout"):
         kit.stamp_tree(carry)
 
+    (copy / "train.py").write_text("steps = 10\n")
+    (copy / "conftest.py").write_text("untracked, sent\n")
+    shutil.copytree(checkout / ".git", copy / ".git")
+    git("-C", str(copy), "commit", "-qm", "another", "--allow-empty")  # the copy's .git names another commit
+    assert kit.tree_commit(carry) == head + "+dirty"  # the stamp decides
+    assert kit.tree_commit(tmp_path / "elsewhere") == git("-C", str(copy), "rev-parse", "HEAD") + "+dirty"  # no stamp
+
 
 @pytest.mark.slow  # imports every part in a process of its own
 def test_what_the_kit_runs_imports_no_dagster_or_mlflow():
