@@ -25,19 +25,26 @@ from vlm_assets_tests.waiting import BOUND_S
 
 pytestmark = pytest.mark.slow
 
+EPOCHS = 6
+NUM_VALIDATION = 600
 GRAPH = [occlusion_manifests, occlusion_adapter, eval_report, registered_adapter]  # checks: in the assets' steps
-# The demo's recipe (6 weight-tied steps, reconstruction first, then the LM loss) at test size.
+TRAINING = GRAPH[:2]
+TRAINING_OPS = ("occlusion_manifests", "occlusion_adapter")
+# The demo's recipe at test size: reconstruction alone (the backbone is not loaded to train), on every
+# train row. 10 weight-tied steps, not the demo's 6: at 56 px the boxes are twice as wide, and 10 steps
+# recovered the clean accuracy where 6 won back under half of it. 600 validation rows: the gain's
+# interval clears 0 by more than 5 points on AVX2 and on AVX-512 kernels.
 ADAPTER = {
-    "model": {"adapter_steps": 6},
+    "model": {"adapter_steps": 10},
     "optimizer": {
         "global_batch_size": 16,
         "lr": 1e-2,
-        "epochs": 3,
-        "reconstruction_warmup_epochs": 1,
+        "epochs": EPOCHS,
+        "reconstruction_warmup_epochs": EPOCHS,
         "reconstruction_loss_weight": 1.0,
         "reconstruction_outside_box": True,
     },
-    "data": {"image_size": 56, "num_train": 480},
+    "data": {"image_size": 56},
     "parallelism": {"nproc_per_node": 2, "micro_batch_size": 8},
     "log_every": 10,
 }
@@ -48,7 +55,7 @@ def manifests_config(offline_data) -> dict:
         "source": "fashion_mnist",
         "source_uri": str(offline_data / "fashion-mnist"),
         "num_train": 1000,
-        "num_validation": 200,
+        "num_validation": NUM_VALIDATION,
     }
 
 
@@ -78,7 +85,7 @@ def run_config(offline_data, adapter=None, report=None, min_accuracy=0.3):
             "occlusion_adapter": {"config": overlay(adapter_config(offline_data), adapter or {})},
             "eval_report": {
                 "config": {
-                    "num_samples": 200,
+                    "num_samples": NUM_VALIDATION,
                     "batch_size": 50,
                     "num_cards": 12,
                     "checks": {"min_accuracy": min_accuracy},
@@ -124,7 +131,7 @@ def test_adapter_helps_the_frozen_backbone_and_is_registered(pipeline):
         {k: report[k] for k in ("accuracy_clean", "accuracy_identity", "accuracy_adapter", "lenient_accuracy_adapter")}
     )
     adapter = meta(result, "occlusion_adapter")
-    assert adapter["epochs"] == 3 and np.isfinite(adapter["gate"])
+    assert adapter["epochs"] == EPOCHS and np.isfinite(adapter["gate"])
 
 
 def test_checkpoints_hold_only_the_adapter(pipeline):
@@ -137,7 +144,7 @@ def test_checkpoints_hold_only_the_adapter(pipeline):
         f"adapter.net.{i}.{p}" for i in (0, 2, 4) for p in ("bias", "weight")
     )
     assert (env.store.local_path(checkpoints[-1]) / "checkpoint.ckpt").stat().st_size < 1_000_000
-    assert len(ckpt["callbacks"]["EpochHistory"]["epochs"]) == 3
+    assert len(ckpt["callbacks"]["EpochHistory"]["epochs"]) == EPOCHS
     assert any(name.startswith("ModelCheckpoint") for name in ckpt["callbacks"])
 
 
@@ -228,7 +235,7 @@ def test_registered_model_predicts_what_eval_report_predicted(pipeline):
     info = mlflow.models.get_model_info("models:/occlusion_adapter@champion")
     assert info.signature.inputs.input_names() == ["image", "box"] and info.signature.outputs.input_names() == ["label"]
     served = mlflow.pyfunc.load_model("models:/occlusion_adapter@champion").predict(frame)
-    assert len(served) == len(evaluated) == 200
+    assert len(served) == len(evaluated) == NUM_VALIDATION
     assert served == [e["adapter"].strip() for e in evaluated]
 
 
@@ -330,16 +337,18 @@ def test_killed_worker_resumes_from_the_last_recovery_checkpoint(pipeline, offli
     started = time.time()
     killer = threading.Thread(target=kill_after_first_epoch)
     killer.start()
-    result = env.materialize(run_config(offline_data, adapter={"model": {"backbone": str(backbone)}}))
+    config = run_config(offline_data, adapter={"model": {"backbone": str(backbone)}})
+    training = IsolatedEnv(env.root, TRAINING)  # the same store and registry; no evaluation to wait for
+    result = training.materialize({"ops": {k: v for k, v in config["ops"].items() if k in TRAINING_OPS}})
     killer.join()
     assert killed, "the worker was never killed"
     assert len([e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]) == 1
     assert not _workers(str(env.root))
     adapter = meta(result, "occlusion_adapter")
-    assert adapter["resumed_from_epoch"] == 1 and adapter["epochs"] == 3
+    assert adapter["resumed_from_epoch"] == 1 and adapter["epochs"] == EPOCHS
     resumed = json.loads((Path(adapter["uri"]) / "history.json").read_text())["epochs"]
     uninterrupted = json.loads((Path(meta(first, "occlusion_adapter")["uri"]) / "history.json").read_text())["epochs"]
-    assert [e["epoch"] for e in resumed] == [0, 1, 2]  # the pre-kill epoch survived in the checkpoint
+    assert [e["epoch"] for e in resumed] == list(range(EPOCHS))  # the pre-kill epoch survived in the checkpoint
     for a, b in zip(resumed, uninterrupted, strict=True):
         assert a["val/loss"] == pytest.approx(b["val/loss"], abs=1e-4)
 
@@ -351,12 +360,12 @@ def test_sigkill_of_the_dagster_process_ends_both_workers_and_the_relaunch_resum
     failed and its MLflow run KILLED, resumes from that checkpoint and ends on the uninterrupted losses."""
     env, first = pipeline
     config = run_config(offline_data)
-    config = {"ops": {k: v for k, v in config["ops"].items() if k in ("occlusion_manifests", "occlusion_adapter")}}
+    config = {"ops": {k: v for k, v in config["ops"].items() if k in TRAINING_OPS}}
     run = kill_mid_training_and_relaunch(
         tmp_path, "adapter_job", config, "occlusion_adapter", checkpoints_before_kill=1, executor="multiprocess"
     )
     adapter = run.materialization("occlusion_adapter")
-    assert adapter["resumed_from_epoch"] in (1, 2) and adapter["epochs"] == 3  # after 1 or 2 epochs
+    assert adapter["resumed_from_epoch"] in (1, 2) and adapter["epochs"] == EPOCHS  # after 1 or 2 epochs
     resumed = json.loads((Path(adapter["uri"]) / "history.json").read_text())["epochs"]
     uninterrupted = json.loads((Path(meta(first, "occlusion_adapter")["uri"]) / "history.json").read_text())["epochs"]
     for a, b in zip(resumed, uninterrupted, strict=True):
@@ -467,7 +476,10 @@ def test_training_that_fails_for_good_materializes_a_partial_that_blocks(pipelin
         result = env.materialize(
             run_config(
                 offline_data,
-                adapter={"optimizer": {"epochs": 4}, "checkpoint": {"materialize_partial_on_failure": True}},
+                adapter={
+                    "optimizer": {"epochs": 4, "reconstruction_warmup_epochs": 4},
+                    "checkpoint": {"materialize_partial_on_failure": True},
+                },
             ),
             raise_on_error=False,
         )
