@@ -51,7 +51,10 @@ PYTHON="$venv/bin/python" "$repo/scripts/fetch-offline-data.sh"
 # torch's large CPU tensors on transparent huge pages: a fresh 200 MB logits tensor costs several times
 # its arithmetic in page faults otherwise (measured in bench/results/; the launchers set it for workers).
 export THP_MEM_ALLOC_ENABLE="${THP_MEM_ALLOC_ENABLE:-1}"
-export MLFLOW_DISABLE_TELEMETRY=true MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR=false HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TORCH_EXTENSIONS_DIR="$VLM_ASSETS_CACHE/torch_extensions"
+# Compiled torch extensions, one folder per virtual environment: their build commands name its include
+# paths, so two checkouts sharing one folder would recompile each other's op (20-40 s) at every switch.
+export MLFLOW_DISABLE_TELEMETRY=true MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR=false HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" \
+  TORCH_EXTENSIONS_DIR="$VLM_ASSETS_CACHE/torch_extensions/$(printf %s "$venv" | cksum | cut -d' ' -f1)"
 # DeepSpeed (imported by transformers and peft when installed) warns at every import when it probes
 # for an accelerator and finds none: on a machine without NVIDIA's driver, name the CPU.
 command -v nvidia-smi >/dev/null || export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
