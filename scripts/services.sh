@@ -14,6 +14,8 @@ cmd=${1:?usage: services.sh up|down DIR}
 dir=${2:?usage: services.sh up|down DIR}
 mkdir -p "$dir"
 dir="$(cd "$dir" && pwd)"
+# runuser lives in /usr/sbin, which a non-login root shell (cron, `env -i`, some CI agents) lacks on PATH.
+PATH="$PATH:/usr/sbin:/sbin"
 pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1; }
 # Postgres refuses to run as root: as root, its processes run as the `postgres` user.
 as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
