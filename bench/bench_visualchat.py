@@ -601,8 +601,6 @@ def main() -> None:
     cache_root = Path(os.environ.get("VLM_ASSETS_CACHE", Path.home() / ".cache" / "vlm_assets"))
     if args.rehearse:  # before anything imports DeepSpeed: its accelerator is chosen once, at import
         os.environ["DS_ACCELERATOR"] = "cpu"
-        # DeepSpeed's CPU shared-memory op, compiled once by scripts/bootstrap.sh into the project's cache.
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root / "torch_extensions"))
     from vlm_assets.paths import offline_data_dir
 
     data = offline_data_dir()

@@ -5,8 +5,8 @@
 #   scripts/gpu-check.sh --stamp       # here, after the last commit: the carry names the tree's commit
 #   scripts/gpu-check.sh               # on the GPU machine (carry .gpu-carry): every part, <= 7.5 minutes
 #   scripts/gpu-check.sh --only PART   # one part again (after the smoke test)
-#   (the GPU machine's copy of the tree has no .git: the stamp holds the commit and each file's digest,
-#   and the results name that commit only if no file has changed since)
+#   (the GPU machine's copy of the tree has no .git, or a stale one: the stamp holds the commit and each
+#   file's digest, and the results name that commit only if no file has changed since)
 #   scripts/gpu-check.sh --rehearse    # on a CPU: the same parts at tiny sizes (CI: scripts/gpu-like-env.sh)
 # Figures go to $OUT (default var/gpu-check/): results.json and results.md after each part, a log per
 # part (each line with its seconds into the part). The interpreter: $GPU_CHECK_PYTHON, else the

@@ -159,9 +159,10 @@ def carry_problems(root: Path) -> list[str]:
 def stamp_tree(root: Path) -> dict:
     """Write ``root/tree.json``: the checkout's commit and a digest of each file the device tool sends.
 
-    The GPU machine gets the working tree without ``.git`` (tracked files and untracked ones git does not
-    ignore): the stamp, carried, lets the kit there name the commit it runs (``+dirty`` where the tree was
-    not that commit when stamped) and notice a tree that has moved on since (``tree_commit``).
+    The GPU machine gets the working tree (tracked files and untracked ones git does not ignore) without
+    ``.git``, or with a stale one: the stamp, carried, lets the kit there name the commit it runs
+    (``+dirty`` where the tree was not that commit when stamped) and notice a tree that has moved on since
+    (``tree_commit``).
     """
     if not (REPO / ".git").exists():
         raise SystemExit(f"gpu-check: {REPO} is not a git checkout: nothing to stamp the carry with")
@@ -173,20 +174,21 @@ def stamp_tree(root: Path) -> dict:
 
 
 def tree_commit(root: Path) -> str:
-    """The commit the working tree is: the carry's stamp checked file by file, else git's answer.
+    """The commit the working tree is: the carry's stamp where every file matches it, else git's answer.
 
-    The stamp decides wherever it is carried: the GPU machine's copy of the tree may hold a ``.git`` of an
-    older commit than the one the files are.
+    The stamp comes first: the GPU machine's copy of the tree may hold a ``.git`` of an older commit than
+    the one its files are. A stamp the tree has moved on from (a carry reused after new commits) yields
+    to git in a checkout, and says which files differ where there is no git.
     """
-    if not (root / TREE_STAMP).is_file():
-        if (REPO / ".git").exists():
-            return _results_file().commit(REPO, untracked=True)
+    stamp = json.loads((root / TREE_STAMP).read_text()) if (root / TREE_STAMP).is_file() else None
+    changed = [name for name, digest in stamp["files"].items() if _digest(REPO / name) != digest] if stamp else []
+    if stamp and not changed:
+        return stamp["commit"]
+    if (REPO / ".git").exists():
+        return _results_file().commit(REPO, untracked=True)
+    if not stamp:
         return "unknown (no .git and no tree stamp in the carry: scripts/gpu-check.sh --stamp writes it)"
-    stamp = json.loads((root / TREE_STAMP).read_text())
-    changed = [name for name, digest in stamp["files"].items() if _digest(REPO / name) != digest]
-    if changed:
-        return f"unknown: {len(changed)} file(s) differ from {stamp['commit']} ({', '.join(changed[:3])})"
-    return stamp["commit"]
+    return f"unknown: {len(changed)} file(s) differ from {stamp['commit']} ({', '.join(changed[:3])})"
 
 
 def _results_file():

@@ -129,7 +129,10 @@ def test_a_copy_without_git_is_named_by_the_carrys_stamp_until_a_file_differs(tm
     shutil.copytree(checkout / ".git", copy / ".git")
     git("-C", str(copy), "commit", "-qm", "another", "--allow-empty")  # the copy's .git names another commit
     assert kit.tree_commit(carry) == head + "+dirty"  # the stamp decides
-    assert kit.tree_commit(tmp_path / "elsewhere") == git("-C", str(copy), "rev-parse", "HEAD") + "+dirty"  # no stamp
+    copy_head = git("-C", str(copy), "rev-parse", "HEAD")
+    assert kit.tree_commit(tmp_path / "elsewhere") == copy_head + "+dirty"  # no stamp: git
+    (copy / "train.py").write_text("steps = 30\n")
+    assert kit.tree_commit(carry) == copy_head + "+dirty"  # a stamp the tree has moved on from: git
 
 
 @pytest.mark.slow  # imports every part in a process of its own

@@ -26,13 +26,14 @@ from vlm_assets_tests.waiting import BOUND_S
 pytestmark = pytest.mark.slow
 
 EPOCHS = 6
+SIZE = 28  # the images' own size
 NUM_VALIDATION = 1000
 GRAPH = [occlusion_manifests, occlusion_adapter, eval_report, registered_adapter]  # checks: in the assets' steps
 TRAINING = GRAPH[:2]
-TRAINING_OPS = ("occlusion_manifests", "occlusion_adapter")
+TRAINING_OPS = tuple(a.key.to_user_string() for a in TRAINING)
 # The demo's recipe (reconstruction alone: the backbone is not loaded to train) at the images' own
 # 28 px, on every train row, in front of a backbone taught the clean task for 800 steps. 1,000
-# validation rows: the gain's interval clears 0 by more than 10 points on AVX2 and on AVX-512 kernels.
+# validation rows: the gain's interval clears 0 with a wide margin on AVX2 and on AVX-512 kernels.
 ADAPTER = {
     "model": {"adapter_steps": 6},
     "optimizer": {
@@ -43,7 +44,7 @@ ADAPTER = {
         "reconstruction_loss_weight": 1.0,
         "reconstruction_outside_box": True,
     },
-    "data": {"image_size": 28},
+    "data": {"image_size": SIZE},
     "parallelism": {"nproc_per_node": 2, "micro_batch_size": 8},
     "log_every": 10,
 }
@@ -344,7 +345,7 @@ def test_killed_worker_resumes_from_the_last_recovery_checkpoint(pipeline, offli
     assert len([e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]) == 1
     assert not _workers(str(env.root))
     adapter = meta(result, "occlusion_adapter")
-    assert adapter["resumed_from_epoch"] == 1 and adapter["epochs"] == EPOCHS
+    assert adapter["resumed_from_epoch"] in (1, 2) and adapter["epochs"] == EPOCHS  # killed after 1 or 2 epochs
     resumed = json.loads((Path(adapter["uri"]) / "history.json").read_text())["epochs"]
     uninterrupted = json.loads((Path(meta(first, "occlusion_adapter")["uri"]) / "history.json").read_text())["epochs"]
     assert [e["epoch"] for e in resumed] == list(range(EPOCHS))  # the pre-kill epoch survived in the checkpoint
@@ -426,7 +427,7 @@ def test_training_changes_only_the_adapter(pipeline, offline_data, tmp_path):
     env, first = pipeline
     manifests = env.store.local_path(meta(first, "occlusion_manifests")["cache_key"])
     module = AdapterModule(
-        AdapterTrainConfig(data={"image_size": 56}, optimizer={"lr": 5e-3}), clean_backbone(offline_data)
+        AdapterTrainConfig(data={"image_size": SIZE}, optimizer={"lr": 5e-3}), clean_backbone(offline_data)
     )
     module.configure_model()
     backbone_before = {k: v.clone() for k, v in module.backbone.state_dict().items()}
@@ -440,7 +441,7 @@ def test_training_changes_only_the_adapter(pipeline, offline_data, tmp_path):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, DataLoader(OcclusionSamples(manifests, "train", 56, 24), batch_size=8, collate_fn=collate))
+    trainer.fit(module, DataLoader(OcclusionSamples(manifests, "train", SIZE, 24), batch_size=8, collate_fn=collate))
     assert all(torch.equal(v, backbone_before[k]) for k, v in module.backbone.state_dict().items())
     assert not module.backbone.model.training  # kept in eval mode while the adapter trained
     assert not module.backbone.model.model.language_model.layers[0].training
