@@ -2,7 +2,7 @@
 ``visualchat_model``.
 
     python bench/soak.py --runs 6 --seed 1                 # CI size: 24 steps, a checkpoint every 6
-    python bench/soak.py --runs 4 --seed 2 --demo          # the demo profile's GPT (30 steps, 256 tokens)
+    python bench/soak.py --runs 4 --seed 2 --demo          # the demo profile's GPT (40 steps, 256 tokens)
     python bench/soak.py --runs 6 --seed 3 --assets gpt_checkpoint visualchat_model   # in turn
     python bench/soak.py --runs 6 --seed 4 --launcher k8s  # pods on the loopback Kubernetes testbed
 
@@ -518,7 +518,7 @@ class Soak:
             "max_length": 256 if self.args.demo else 64,
             "max_val_samples": 64,
         }
-        micro, steps, every = (4, 30, 10) if self.args.demo else (2, 24, 6)
+        micro, steps, every = (4, 40, 10) if self.args.demo else (2, 24, 6)
         gpt = {
             "model": {"preset": "tiny"},
             "optimizer": {"global_batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "max_steps": steps},
