@@ -167,8 +167,7 @@ def _supervise(spec, nodes, lines, tails, on_line, canceled) -> None:
             if line is None:
                 open_streams -= 1
             else:
-                tails[node].append(line)
-                on_line(f"[node {node}] {line}")
+                _relay(node, line, tails, on_line)
         except queue.Empty:
             pass
         codes = [p.poll() for p in nodes]
@@ -210,8 +209,15 @@ def _drain(lines, tails, on_line) -> None:
         except queue.Empty:
             return
         if line is not None:
-            tails[node].append(line)
-            on_line(f"[node {node}] {line}")
+            _relay(node, line, tails, on_line)
+
+
+def _relay(node: int, line: str, tails, on_line) -> None:
+    """Keep ``line`` in its node's tail; pass it on unless it is blank (a progress bar's carriage returns leave
+    empty lines, which read as noise in the Dagster log)."""
+    tails[node].append(line)
+    if line.strip():
+        on_line(f"[node {node}] {line}")
 
 
 def _worker_exit_code(tail) -> int | None:

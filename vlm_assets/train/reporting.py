@@ -29,6 +29,8 @@ def quiet_lightning() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     # Lightning 2.6 calls a torch.utils._pytree API that torch deprecated: nothing of ours.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
+    # ... and its all_gather a torch.distributed.nn API that torch deprecated.
+    warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated")
 
 
 def process_group_backend() -> str:
