@@ -144,6 +144,7 @@ def sent_files() -> list[str]:
 
 
 def tree_size() -> int:
+    """Bytes of the files the device tool copies from this checkout (``sent_files``)."""
     return sum((REPO / name).stat().st_size for name in sent_files())
 
 

@@ -89,7 +89,7 @@ def test_an_incomplete_carry_is_named_and_an_unknown_part_lists_the_parts(tmp_pa
     assert "--only bench: no such part; the parts are smoke, gpt, visualchat, adapter, tests" in proc.stderr
 
 
-def test_a_copy_without_git_is_named_by_the_carrys_stamp_until_a_file_differs(tmp_path):
+def test_a_copy_is_named_by_the_carrys_stamp_while_its_files_match_else_by_its_git(tmp_path):
     kit = gpu_kit()
     checkout, copy, carry = tmp_path / "checkout", tmp_path / "copy", tmp_path / "carry"
     checkout.mkdir()

@@ -31,6 +31,13 @@ NUM_VALIDATION = 1000
 GRAPH = [occlusion_manifests, occlusion_adapter, eval_report, registered_adapter]  # checks: in the assets' steps
 TRAINING = GRAPH[:2]
 TRAINING_OPS = tuple(a.key.to_user_string() for a in TRAINING)
+
+
+def training_config(config: dict) -> dict:
+    """``config`` cut to the training assets' ops (the runs that train and stop there: no evaluation)."""
+    return {"ops": {k: v for k, v in config["ops"].items() if k in TRAINING_OPS}}
+
+
 # The demo's recipe (reconstruction alone: the backbone is not loaded to train) at the images' own
 # 28 px, on every train row, in front of a backbone taught the clean task for 800 steps. 1,000
 # validation rows: the gain's interval clears 0 with a wide margin on AVX2 and on AVX-512 kernels.
@@ -339,7 +346,7 @@ def test_killed_worker_resumes_from_the_last_recovery_checkpoint(pipeline, offli
     killer.start()
     config = run_config(offline_data, adapter={"model": {"backbone": str(backbone)}})
     training = IsolatedEnv(env.root, TRAINING)  # the same store and registry; no evaluation to wait for
-    result = training.materialize({"ops": {k: v for k, v in config["ops"].items() if k in TRAINING_OPS}})
+    result = training.materialize(training_config(config))
     killer.join()
     assert killed, "the worker was never killed"
     assert len([e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]) == 1
@@ -359,8 +366,7 @@ def test_sigkill_of_the_dagster_process_ends_both_workers_and_the_relaunch_resum
     its agent and both workers end, nothing is committed after it; the relaunch marks the dead run
     failed and its MLflow run KILLED, resumes from that checkpoint and ends on the uninterrupted losses."""
     env, first = pipeline
-    config = run_config(offline_data)
-    config = {"ops": {k: v for k, v in config["ops"].items() if k in TRAINING_OPS}}
+    config = training_config(run_config(offline_data))
     run = kill_mid_training_and_relaunch(
         tmp_path, "adapter_job", config, "occlusion_adapter", checkpoints_before_kill=1, executor="multiprocess"
     )
