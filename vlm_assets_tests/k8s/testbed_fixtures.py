@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from vlm_assets_tests.waiting import BOUND_S
+
 TESTBED = Path(__file__).parent / "testbed"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,8 +67,8 @@ def start_testbed(run_dir: Path, env: dict[str, str] | None = None) -> Testbed:
         raise RuntimeError(f"building the k8s testbed failed (exit {build.returncode}):\n{out}")
     env = {**os.environ, "TESTBED_PYTHON": sys.executable, "FAKE_KUBELET_CWD": str(REPO), **(env or {})}
     start = subprocess.run(
-        [str(TESTBED / "start.sh"), str(run_dir)], env=env, capture_output=True, text=True, timeout=180
-    )
+        [str(TESTBED / "start.sh"), str(run_dir)], env=env, capture_output=True, text=True, timeout=BOUND_S
+    )  # start.sh bounds each of its waits (150 s) and names what did not come up
     if start.returncode != 0:
         stop_testbed(run_dir)
         raise RuntimeError(f"starting the k8s testbed failed:\n{start.stdout[-3000:]}\n{start.stderr[-3000:]}")
@@ -90,7 +92,7 @@ def k8s_testbed(tmp_path_factory):
         stop_testbed(run_dir)
 
 
-def wait_for_default_service_account(core, namespace: str, timeout: float = 60) -> None:
+def wait_for_default_service_account(core, namespace: str, timeout: float = BOUND_S) -> None:
     """Pods are admitted only once the namespace's ``default`` ServiceAccount and its token exist."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
