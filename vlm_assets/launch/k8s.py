@@ -446,7 +446,7 @@ def run_k8s(
 ) -> None:
     """Run ``spec`` as pods; return when every node succeeded; raise ``LaunchFailed`` otherwise.
 
-    ``on_line(node, line)`` gets every pod's log lines as they come. Deletes what it created.
+    ``on_line(node, line)`` gets every pod's non-blank log line as it comes. Deletes what it created.
     """
     from kubernetes import client
 
@@ -494,7 +494,8 @@ def _supervise(launch: Launch, core, lines, tails, on_line, stop, poll_s, cancel
                 return
             if line is not None:
                 tails[node].append(line)
-                on_line(node, line)
+                if line.strip():  # a progress bar's carriage returns leave blank lines: noise in the Dagster log
+                    on_line(node, line)
 
     while True:
         pods.update(core.list_namespaced_pod(settings.namespace, label_selector=f"{LAUNCH_LABEL}={launch.name}").items)

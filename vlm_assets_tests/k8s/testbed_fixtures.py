@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vlm_assets_tests.waiting import BOUND_S
+from vlm_assets_tests.waiting import BOUND_S, wait_until
 
 TESTBED = Path(__file__).parent / "testbed"
 REPO = Path(__file__).resolve().parents[2]
@@ -94,13 +94,12 @@ def k8s_testbed(tmp_path_factory):
 
 def wait_for_default_service_account(core, namespace: str, timeout: float = BOUND_S) -> None:
     """Pods are admitted only once the namespace's ``default`` ServiceAccount and its token exist."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        secrets = core.list_namespaced_secret(namespace).items
-        if any(s.metadata.name.startswith("default-token") for s in secrets):
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"namespace {namespace}: no default ServiceAccount token after {timeout} s")
+    wait_until(
+        lambda: any(s.metadata.name.startswith("default-token") for s in core.list_namespaced_secret(namespace).items),
+        f"namespace {namespace}'s default ServiceAccount token",
+        timeout=timeout,
+        every=0.2,
+    )
 
 
 def launcher_objects(core, batch, namespace: str) -> list[str]:

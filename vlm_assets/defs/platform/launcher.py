@@ -253,7 +253,7 @@ class K8sTorchrunLauncher(TrainingLauncher, PodSettings):
         reader = _pod_log_reader()
 
         def on_line(node: int, line: str) -> None:
-            if not reader.consume(line) and line.strip():  # a progress bar's carriage returns leave blank lines
+            if not reader.consume(line):
                 context.log.info(f"[node {node}] {line}")
 
         labels = {
