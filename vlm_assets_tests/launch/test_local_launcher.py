@@ -1,8 +1,11 @@
 """The local torchrun backend with real processes: rendezvous, log streaming, failure, no orphans."""
 
+import time
+import types
+
 import pytest
 
-from vlm_assets.launch import LaunchFailed, LaunchSpec, run_local
+from vlm_assets.launch import LaunchFailed, LaunchSpec, local, run_local
 from vlm_assets.launch.local import alive
 from vlm_assets_tests.waiting import BOUND_S
 
@@ -39,12 +42,22 @@ def test_a_failing_node_stops_every_node_and_is_reported():
 
 
 @pytest.mark.slow
-def test_the_job_timeout_stops_a_hanging_job():
+def test_the_job_timeout_stops_a_hanging_job(monkeypatch):
     lines = []
-    # Long enough for both workers to start and report even on a loaded 2-core machine.
-    spec = LaunchSpec(WORKER, ("--hang",), num_nodes=1, nproc_per_node=2, env=ENV, timeout_s=30)
-    with pytest.raises(LaunchFailed, match="timeout"):
-        run_local(spec, on_line=lines.append)
+    # The launcher's clock jumps past the deadline once both workers have reported: the timeout is
+    # proven against started, hanging workers however long they took to start on this machine.
+    skipped = {"s": 0.0}
+
+    def on_line(line):
+        lines.append(line)
+        if len(_pids(lines)) == 2:
+            skipped["s"] = 3600.0
+
+    clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + skipped["s"], sleep=time.sleep)
+    monkeypatch.setattr(local, "time", clock)
+    spec = LaunchSpec(WORKER, ("--hang",), num_nodes=1, nproc_per_node=2, env=ENV, timeout_s=600)
+    with pytest.raises(LaunchFailed, match="past its 600 s timeout"):
+        run_local(spec, on_line=on_line)
     pids = _pids(lines)
     assert len(pids) == 2 and not any(alive(pid) for pid in pids)
 
