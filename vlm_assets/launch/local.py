@@ -273,6 +273,8 @@ def stop_process_trees(procs: list[subprocess.Popen]) -> None:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
+                if sig == signal.SIGTERM:
+                    os.kill(pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
         deadline = time.monotonic() + (_GRACE_S if sig == signal.SIGTERM else 5.0)
         for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from mlflow.tracking import MlflowClient
 
 from vlm_assets.defs.data.token_assets import token_shards
 from vlm_assets.defs.models.gpt_assets import gpt_checkpoint
-from vlm_assets.launch import LaunchSpec, run_local
+from vlm_assets.launch import LaunchSpec, local, run_local
 from vlm_assets.train.checkpoints import CHECKPOINT_FILE, latest_checkpoint
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.run_config import RunPaths, overlay, write_run_file
@@ -243,19 +244,24 @@ def test_threshold_change_reruns_the_check_not_the_training(ddp_run, offline_dat
 
 
 def test_a_timeout_then_a_longer_one_on_another_world_size_resumes_near_the_same_loss(
-    ddp_run, tmp_path, offline_data, mlflow_uri
+    ddp_run, tmp_path, offline_data, mlflow_uri, monkeypatch
 ):
     """The job is frozen (SIGSTOP) right after its first checkpoint, so the launcher's timeout fires at a
     known step; the rerun with a raised timeout_s on 1 node x 1 process (both run fields: the same key)
     resumes there: the consolidated checkpoint loads at the other world size, accumulation doubles,
-    training ends at max_steps with its checks passing. The timeout is this machine's time for a whole
-    uninterrupted run: the first checkpoint (step 6 of 30) comes before it. Not bit-exact across world
-    sizes (docs/training.md): the bound on the final val loss is 5 %. A resume at the same world size
-    is exact: the killed-worker test's curve."""
+    training ends at max_steps with its checks passing. The launcher's clock jumps past the first
+    timeout once the job is frozen, so it fires at that step however fast this machine is. Not
+    bit-exact across world sizes (docs/training.md): the bound on the final val loss is 5 %. A resume
+    at the same world size is exact: the killed-worker test's curve."""
     env = Env(tmp_path, mlflow_uri)
     freezer, frozen = _signal_after_checkpoints(env, str(tmp_path), 1, signal.SIGSTOP)
-    timeout_s = math.ceil(ddp_run[0].seconds)
-    first = env.materialize(run_config(offline_data, timeout_s=timeout_s), raise_on_error=False)
+
+    def clock():
+        return time.monotonic() + (3600.0 if frozen else 0.0)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(local, "time", types.SimpleNamespace(monotonic=clock, sleep=time.sleep))
+        first = env.materialize(run_config(offline_data, timeout_s=300), raise_on_error=False)
     freezer.join()
     assert frozen, "the job was never frozen after a checkpoint"
     assert not first.success

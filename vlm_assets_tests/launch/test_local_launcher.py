@@ -1,5 +1,9 @@
 """The local torchrun backend with real processes: rendezvous, log streaming, failure, no orphans."""
 
+import os
+import signal
+import subprocess
+import sys
 import time
 import types
 
@@ -115,3 +119,10 @@ def test_sigkill_of_the_launching_process_ends_every_agent_and_worker():
     while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in tree if alive(pid)], "an agent or worker outlived its step"
+
+
+def test_a_stopped_process_is_ended_by_the_sigterm_not_left_for_the_sigkill():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    os.kill(proc.pid, signal.SIGSTOP)
+    local.stop_process_trees([proc])
+    assert proc.returncode == -signal.SIGTERM
