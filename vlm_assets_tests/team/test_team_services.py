@@ -4,11 +4,12 @@ server, dagster-daemon and the webserver, all on 127.0.0.1. Runs are launched th
 GraphQL API (queued, then launched by the daemon) or by `dagster job execute` on the same instance."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,15 @@ from vlm_assets_tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
+REPOSITORY = {"repositoryLocationName": "vlm_assets", "repositoryName": "__repository__"}
 LAUNCH = """mutation($params: ExecutionParams!) { launchRun(executionParams: $params) {
   __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message }
   ... on RunConfigValidationInvalid { errors { message } } } }"""
 STATUS = """query($runId: ID!) { runOrError(runId: $runId) { ... on Run { status } } }"""
+START_SCHEDULE = """mutation($selector: ScheduleSelector!) { startSchedule(scheduleSelector: $selector) {
+  __typename ... on ScheduleStateResult { scheduleState { id } } ... on PythonError { message } } }"""
+STOP_SCHEDULE = """mutation($id: String!) { stopRunningSchedule(id: $id) {
+  __typename ... on ScheduleStateResult { scheduleState { status } } ... on PythonError { message } } }"""
 
 
 class Team:
@@ -39,10 +45,7 @@ class Team:
         return body["data"]
 
     def launch(self, job: str, run_config: dict | None = None) -> str:
-        params = {
-            "selector": {"repositoryLocationName": "vlm_assets", "repositoryName": "__repository__", "jobName": job},
-            "runConfigData": run_config or {},
-        }
+        params = {"selector": {**REPOSITORY, "jobName": job}, "runConfigData": run_config or {}}
         launched = self.graphql(LAUNCH, params=params)["launchRun"]
         assert launched["__typename"] == "LaunchRunSuccess", launched
         return launched["run"]["runId"]
@@ -156,14 +159,15 @@ def test_everything_listens_on_loopback_only(team):
     assert len(ours) >= 4 and all(addr.startswith("127.0.0.1:") for addr in ours), ours
 
 
-def _restart(team: Team, service: str) -> None:
-    """Stop a service's process group, wait 5 s, start it again with the same command and environment."""
+def _restart(team: Team, service: str, while_down: Callable[[], object]) -> None:
+    """Stop a service's process group, call ``while_down``, start the service again with the same
+    command and environment."""
     pid = team.service_pid(service)
     command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
     environ = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
     os.killpg(pid, signal.SIGTERM)
     wait_until(lambda: not alive(pid), f"{service} to stop", every=0.2)
-    time.sleep(5)
+    while_down()
     with open(team.root / "logs" / f"{service}-restarted.log", "w") as log:
         restarted = subprocess.Popen(command, env=environ, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     with open(team.root / "pids", "a") as pids:  # `services.sh down` stops it
@@ -191,12 +195,13 @@ def _training_windows(instance, run_ids: list[str]) -> list[tuple[float, float, 
 @pytest.mark.timeout(3600)  # two gpt_jobs and a scheduled run, each bounded by wait_until on its own
 def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_reruns_from_cache(team):
     """Two gpt_jobs launched at once through the webserver (queued, launched by the daemon): the demo's
-    and a shorter one of another seed (another key). Both run (the queue allows 4), both succeed, and
-    their training steps never overlap (pool vlm_training, limit 1). The MLflow server is stopped and
-    restarted while the first trains: the MLflow client's retries carry the metrics over the gap, and
-    its loss curve reaches S3 through the server's artifact proxy. Meanwhile main_schedule (every minute
-    here, running gpt_job) ticks under the daemon: its run waits for the pool and is a cache hit of the
-    first run's key: it trains nothing.
+    and a shorter one of another seed (another key) on one node. Both run (the queue allows 4), both
+    succeed, and their training steps never overlap (pool vlm_training, limit 1). The MLflow server is
+    stopped while the first trains, until that run reports a step's metrics, then restarted: the MLflow
+    client's retries carry those metrics over the gap, and its loss curve reaches S3 through the
+    server's artifact proxy. Meanwhile main_schedule
+    (every minute here, running gpt_job), started through the webserver, ticks under the daemon: its run
+    waits for the pool and is a cache hit of the first run's key: it trains nothing.
     (main_job on the demo profile, registration included, is test_main_job's: on this deployment it
     would train the same models a second time in the suite.)"""
     import dagster as dg
@@ -213,6 +218,7 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
                         "optimizer": {"max_steps": 10},
                         "data": {"val_check_interval": 10},
                         "checkpoint": {"every": 10},
+                        "parallelism": {"num_nodes": 1},
                         "log_every": 5,
                     }
                 }
@@ -221,22 +227,52 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
     )
     instance = team.instance()
 
-    cursor = [None]
+    seen, cursor = [], [None]
 
-    def main_gpt_checkpointed():  # the trainer's Pipes log line, read incrementally
+    def main_log() -> list:
+        """The first run's event log entries so far (read incrementally)."""
         connection = instance.get_records_for_run(main, cursor=cursor[0])
         cursor[0] = connection.cursor
-        return any(
-            r.event_log_entry.user_message.startswith("checkpoint step") for r in connection.records
-        ) or team.status(main) in ("SUCCESS", "FAILURE")
+        seen.extend(r.event_log_entry for r in connection.records)
+        return seen
 
-    wait_until(main_gpt_checkpointed, "the first gpt_job to commit a checkpoint", timeout=1200, every=1)
+    def main_steps(pattern: re.Pattern) -> list[int]:
+        """The steps in the first run's log lines that ``pattern`` matches (the trainer's Pipes lines)."""
+        return [int(m[1]) for e in main_log() if (m := pattern.match(e.user_message))]
+
+    def main_training() -> bool:
+        start = dg.DagsterEventType.STEP_START
+        return any(e.step_key == "gpt_checkpoint" and e.dagster_event_type == start for e in main_log())
+
+    def main_ended() -> bool:
+        return team.status(main) in ("SUCCESS", "FAILURE", "CANCELED")
+
+    # main_schedule starts once the first run holds the pool: its tick (at the next minute boundary)
+    # then finds that run's token_shards built and its gpt_checkpoint ahead of it in the pool's queue,
+    # and the wait for the tick overlaps the first run's training.
+    wait_until(lambda: main_training() or main_ended(), "the first gpt_job to start training", timeout=1200, every=1)
     assert team.status(main) == "STARTED", team.failure(main)
-    _restart(team, "mlflow")
-    # main_schedule ticks while the first run still trains (its tick waits for a minute boundary: not
-    # idle time of its own); the scheduled run's gpt_checkpoint waits for the pool behind it.
-    assert team.run("schedule", "start", "main_schedule", "-w", "workspace.yaml").returncode == 0
+    started = team.graphql(START_SCHEDULE, selector={**REPOSITORY, "scheduleName": "main_schedule"})["startSchedule"]
+    assert started["__typename"] == "ScheduleStateResult", started
     try:
+        committed = re.compile(r"checkpoint step (\d+) committed")  # the trainer's Pipes log lines
+        wait_until(
+            lambda: main_steps(committed) or main_ended(), "the first gpt_job to commit a checkpoint", timeout=1200
+        )
+        assert team.status(main) == "STARTED", team.failure(main)
+        checkpoint = main_steps(committed)[0]
+        # MLflow stays down until the trainer has reported a later step's metrics: its Pipes logger
+        # writes them before its MLflow logger sends them, which then waits out the gap.
+        metrics = re.compile(r"step (\d+): ")
+        _restart(
+            team,
+            "mlflow",
+            while_down=lambda: wait_until(
+                lambda: max(main_steps(metrics), default=0) > checkpoint or main_ended(),
+                f"the first gpt_job to report a step after {checkpoint} while MLflow is down",
+                every=1,
+            ),
+        )
 
         def scheduled_run():
             runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/schedule_name": "main_schedule"}))
@@ -244,7 +280,8 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
 
         scheduled = wait_until(scheduled_run, "a tick of main_schedule to launch a run", every=2)
     finally:
-        assert team.run("schedule", "stop", "main_schedule", "-w", "workspace.yaml").returncode == 0
+        stopped = team.graphql(STOP_SCHEDULE, id=started["scheduleState"]["id"])["stopRunningSchedule"]
+        assert stopped["__typename"] == "ScheduleStateResult", stopped
     assert [team.wait_for_end(r) for r in (main, other)] == ["SUCCESS", "SUCCESS"], [
         team.failure(r) for r in (main, other)
     ]
@@ -264,7 +301,8 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
     )
     assert [r.info.status for r in gpt] == ["FINISHED"]
     steps = [m.step for m in client.get_metric_history(gpt[0].info.run_id, "train/loss")]
-    assert steps and steps[-1] == 40, steps  # logged on both sides of the restart (log_every 10, 40 steps)
+    # every report reached the server, those of the gap too (log_every 10, 40 steps)
+    assert sorted(set(steps)) == [10, 20, 30, 40], steps
     curve = Path(client.download_artifacts(gpt[0].info.run_id, "loss_curve.png", str(team.root)))
     assert curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import boto3
@@ -414,8 +452,8 @@ def partition_of(run) -> str:
 def python_docs_corpus(offline_data: Path, root: Path) -> list[str]:
     """Python's documentation (497 pages, one document each) as zstd JSON-lines chunks, the shape of
     SlimPajama's: a first chunk of every page three times (its run is killed in the middle: seconds of
-    tokenizing, even on a machine several times faster), seven of a seventh each, and one whose line 5
-    is not JSON."""
+    tokenizing, even on a machine several times faster), two of every other page each, and one whose
+    line 5 is not JSON."""
     import json
 
     import zstd
@@ -423,7 +461,7 @@ def python_docs_corpus(offline_data: Path, root: Path) -> list[str]:
     pages = sorted((offline_data / "python-docs").rglob("*.rst.txt"))
     rows = [json.dumps({"text": page.read_text(), "meta": {"page": page.name}}) for page in pages]
     root.mkdir()
-    groups = [rows * 3, *(rows[i::7] for i in range(7))]
+    groups = [rows * 3, rows[0::2], rows[1::2]]  # the halves hold every page once: four times the docs in all
     for i, group in enumerate(groups):
         (root / f"part-{i:02d}.jsonl.zst").write_bytes(zstd.compress("\n".join(group).encode()))
     (root / "part-99.jsonl.zst").write_bytes(zstd.compress("\n".join([*rows[:4], "{oops", *rows[4:8]]).encode()))
@@ -434,21 +472,20 @@ def python_docs_corpus(offline_data: Path, root: Path) -> list[str]:
 def test_a_backfill_tokenizes_chunks_two_runs_at_a_time_retries_a_killed_run_and_the_gpt_trains_on_all(
     team, offline_data
 ):
-    """A corpus of nine chunks backfilled through the webserver (the UI's path): one run per partition,
-    at most two at once (the backfill runs' tag limit in the instance), on the S3 store. One run is
-    SIGKILLed in the middle of its chunk: run monitoring fails it, the daemon retries it (the backfill's
-    `dagster/max_retries`), and no other partition is built twice. The corrupt chunk fails alone,
-    naming its file and line, without a retry. Then gpt_job merges the eight good partitions and trains
-    on them, streaming from S3."""
+    """A corpus of four chunks backfilled through the webserver (the UI's path): one run per partition,
+    at most two at once (the backfill runs' tag limit in the instance; the queue alone would start all
+    four), on the S3 store. One run is SIGKILLed in the middle of its chunk: run monitoring fails it,
+    the daemon retries it (the backfill's `dagster/max_retries`), and no other partition is built twice.
+    The corrupt chunk fails alone, naming its file and line, without a retry. Then gpt_job merges the
+    three good partitions and trains on them, streaming from S3."""
     import dagster as dg
 
     from vlm_assets.defs.platform.run_launcher import run_worker
 
     source = team.root / "corpus"
     keys = python_docs_corpus(offline_data, source)
-    repository = {"repositoryLocationName": "vlm_assets", "repositoryName": "__repository__"}
     for key in keys:  # the UI's "Add partition"
-        added = team.graphql(ADD_PARTITION, selector=repository, name="token_chunks", key=key)
+        added = team.graphql(ADD_PARTITION, selector=REPOSITORY, name="token_chunks", key=key)
         assert added["addDynamicPartition"]["__typename"] == "AddDynamicPartitionSuccess", added
     chunks = {"source_dir": str(source), "tokenizer": str(offline_data / "gpt2-tokenizer"), "max_length": 256}
     launched = team.graphql(
@@ -529,11 +566,12 @@ def test_a_backfill_tokenizes_chunks_two_runs_at_a_time_retries_a_killed_run_and
                 "gpt_checkpoint": {
                     "config": {
                         "seed": 5,
-                        "optimizer": {"max_steps": 20, "warmup_steps": 2},
-                        "data": {"val_check_interval": 20, "val_batches": 2},
-                        "checkpoint": {"every": 20},
+                        # the blocking check (val loss 1 nat below uniform) passes at step 10 by ~0.3 nat
+                        "optimizer": {"max_steps": 10, "warmup_steps": 2},
+                        "data": {"val_check_interval": 10, "val_batches": 2},
+                        "checkpoint": {"every": 10},
                         "parallelism": {"num_nodes": 1},
-                        "log_every": 10,
+                        "log_every": 5,
                     }
                 },
             }
@@ -548,9 +586,10 @@ def test_a_backfill_tokenizes_chunks_two_runs_at_a_time_retries_a_killed_run_and
         for e in events
     }
     shards, checkpoint = meta["token_shards"], meta["gpt_checkpoint"]
-    assert shards["partitions"] == 8 and shards["uri"].startswith("s3://"), shards
-    assert checkpoint["dataset_partitions"] == 8, checkpoint
+    good = len(keys) - 1
+    assert shards["partitions"] == good and shards["uri"].startswith("s3://"), shards
+    assert checkpoint["dataset_partitions"] == good, checkpoint
     text_tokens = shards["train_num_tokens"] - shards["train_num_padding"]  # each chunk pads its last block
     assert checkpoint["dataset_train_tokens"] == text_tokens > 1_000_000, (checkpoint, shards)
-    assert 0 < shards["train_num_padding"] < 8 * 256, shards
-    assert checkpoint["dataset_train_shards"] == shards["train_num_shards"] >= 8
+    assert 0 < shards["train_num_padding"] < good * 256, shards
+    assert checkpoint["dataset_train_shards"] == shards["train_num_shards"] >= good
