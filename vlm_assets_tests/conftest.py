@@ -307,6 +307,7 @@ class KilledAndRelaunched:
     relaunch_log: str
     instance: object  # the DagsterInstance both runs used
     mlflow_uri: str
+    worker_killed_at: str | None = None  # the relaunch's checkpoint after which one of its workers was killed
 
     def materialization(self, asset: str) -> dict:
         import dagster as dg
@@ -326,13 +327,21 @@ class KilledAndRelaunched:
 
 
 def kill_mid_training_and_relaunch(
-    tmp_path: Path, job: str, run_config: dict, asset: str, checkpoints_before_kill: int, executor: str
+    tmp_path: Path,
+    job: str,
+    run_config: dict,
+    asset: str,
+    checkpoints_before_kill: int,
+    executor: str,
+    kill_a_worker_of: str | None = None,
 ) -> KilledAndRelaunched:
     """`dagster job execute -j <job>` SIGKILLed once ``checkpoints_before_kill`` checkpoints of
     ``asset`` are committed, as an OOM killer or a lost session would; asserts that no step process,
-    agent or worker outlives it (10 s) and that nothing is committed after it; then relaunches the
-    same command to completion. ``executor``: ``in_process`` (the step runs in the killed process) or
-    ``multiprocess`` (the step runs in a child of the killed orchestrator)."""
+    agent or worker outlives it and that nothing is committed after it; then relaunches the same
+    command to completion. ``executor``: ``in_process`` (the step runs in the killed process) or
+    ``multiprocess`` (the step runs in a child of the killed orchestrator). ``kill_a_worker_of``: a
+    trainer module; one of its workers in the relaunch is SIGKILLed once the relaunch has committed a
+    checkpoint of its own, so that the step's retry has to resume from that one."""
     import json
 
     from mlflow import MlflowClient
@@ -389,9 +398,31 @@ def kill_mid_training_and_relaunch(
     time.sleep(2)
     assert committed() == at_kill, "a checkpoint was committed after the kill"
 
-    second = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=400)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    out = second.stdout + second.stderr
+    killed = {}
+
+    def kill_a_worker():
+        deadline = time.monotonic() + BOUND_S
+        while time.monotonic() < deadline and second.poll() is None:
+            fresh = [key for key in committed() if key not in at_kill]
+            if fresh and (pids := training_workers(kill_a_worker_of, str(tmp_path))):
+                killed["at"] = fresh[-1]
+                os.kill(max(pids), signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    second = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killer = threading.Thread(target=kill_a_worker)
+    if kill_a_worker_of:
+        killer.start()
+    try:
+        out = second.communicate(timeout=BOUND_S)[0]
+    except subprocess.TimeoutExpired:
+        second.kill()
+        raise
+    if kill_a_worker_of:
+        killer.join()
+        assert killed, "no worker of the relaunch was killed"
+    assert second.returncode == 0, out[-6000:]
     # The load reaped the dead run (freeing its training-pool slot); the step took its lease over.
     assert "marked failed by vlm_assets' dead-run reaper" in out
     assert "its process is gone): taking it over" in out and "KILLED: their process died" in out
@@ -399,7 +430,7 @@ def kill_mid_training_and_relaunch(
 
     instance = dg.DagsterInstance.from_config(str(tmp_path / "dagster"))
     assert sorted(run.status.value for run in instance.get_runs()) == ["FAILURE", "SUCCESS"]
-    return KilledAndRelaunched(at_kill, out, instance, mlflow_uri)
+    return KilledAndRelaunched(at_kill, out, instance, mlflow_uri, killed.get("at"))
 
 
 # The loopback Kubernetes control plane (session) and a namespace per test, checked empty after it.

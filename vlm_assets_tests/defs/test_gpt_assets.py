@@ -136,9 +136,9 @@ def _workers(marker: str) -> list[int]:
     return training_workers("vlm_assets.train.gpt_pretrain", marker)
 
 
-def _signal_after_checkpoints(env, marker: str, count: int, sig: int, pick=lambda pids: pids):
+def _signal_after_checkpoints(env, marker: str, count: int, sig: int):
     """Start a thread that waits for ``count`` committed checkpoints and live workers of ``marker``, then
-    sends ``sig`` to ``pick(pids)``; returns it and a dict that gets the last committed ``step``."""
+    sends ``sig`` to them; returns it and a dict that gets the last committed ``step``."""
     seen = {}
 
     def watch():
@@ -147,7 +147,7 @@ def _signal_after_checkpoints(env, marker: str, count: int, sig: int, pick=lambd
             committed = sorted(env.root.glob("artifacts/checkpoints/gpt_checkpoint/*/step-*/_COMPLETE.json"))
             if len(committed) >= count and (pids := _workers(marker)):
                 seen["step"] = int(committed[-1].parent.name.split("-")[1])
-                for pid in pick(pids):
+                for pid in pids:
                     os.kill(pid, sig)
                 return
             time.sleep(0.05)
@@ -155,33 +155,6 @@ def _signal_after_checkpoints(env, marker: str, count: int, sig: int, pick=lambd
     thread = threading.Thread(target=watch)
     thread.start()
     return thread, seen
-
-
-def test_killed_worker_fails_cleanly_and_the_retry_resumes_the_same_curve(ddp_run, tmp_path, offline_data, mlflow_uri):
-    env = Env(tmp_path, mlflow_uri)
-    killer, killed = _signal_after_checkpoints(env, str(tmp_path), 2, signal.SIGKILL, pick=lambda pids: [max(pids)])
-    result = env.materialize(run_config(offline_data))
-    killer.join()
-    assert killed, "the worker was never killed"
-
-    retries = [e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
-    assert len(retries) == 1
-    assert "worker exit code -9" in str(retries[0].event_specific_data.error)
-    assert not _workers(str(tmp_path)), "a worker outlived the failed attempt"
-
-    meta, checks = outcome(result)
-    assert result.success and all(checks.values())
-    assert meta["resumed_from_step"] == killed["step"]
-    assert meta["steps"] == MAX_STEPS
-    resumed = json.loads((Path(meta["uri"]) / "history.json").read_text())
-    uninterrupted = ddp_run[4]
-    assert [p["step"] for p in resumed["train"]] == list(range(1, MAX_STEPS + 1))
-    # Same seed, same data position, same optimizer and LR state: the same curve (gloo on CPU is
-    # deterministic; the tolerance only absorbs float summation order).
-    for a, b in zip(resumed["train"], uninterrupted["train"], strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["lr"] == pytest.approx(b["lr"])
-    for a, b in zip(resumed["val"], uninterrupted["val"], strict=True):
-        assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], abs=1e-5)
 
 
 def test_damaged_checkpoint_is_skipped_for_the_previous_one_by_plain_torchrun(ddp_run, tmp_path):
@@ -280,11 +253,14 @@ def test_a_timeout_then_a_longer_one_on_another_world_size_resumes_near_the_same
     assert resumed["val"][-1]["loss"] == pytest.approx(ddp_run[4]["val"][-1]["loss"], rel=0.05)
 
 
-def test_sigkill_of_the_dagster_process_ends_its_workers_and_the_relaunch_resumes(ddp_run, tmp_path, offline_data):
+def test_sigkill_of_dagster_then_of_a_worker_each_resume_the_same_curve(ddp_run, tmp_path, offline_data):
     """`dagster job execute -j gpt_job` (in-process executor: the step runs in that process) SIGKILLed
-    while GPT trains at 2 nodes x 1 process: no agent or worker survives, nothing is
-    committed after it; the relaunch marks the dead run failed (Dagster) and KILLED (MLflow), resumes
-    from the last checkpoint and ends on the uninterrupted loss."""
+    while GPT trains at 2 nodes x 1 process: no agent or worker survives, nothing is committed after
+    it; the relaunch marks the dead run failed (Dagster) and KILLED (MLflow) and resumes from the last
+    checkpoint. In the relaunch a worker is SIGKILLed after its first checkpoint: the attempt fails
+    cleanly, the step's retry resumes from that checkpoint, and the run ends on the uninterrupted
+    curve, step by step (gloo on CPU is deterministic; the tolerance only absorbs float summation
+    order)."""
     run = kill_mid_training_and_relaunch(
         tmp_path,
         "gpt_job",
@@ -292,12 +268,30 @@ def test_sigkill_of_the_dagster_process_ends_its_workers_and_the_relaunch_resume
         "gpt_checkpoint",
         checkpoints_before_kill=2,
         executor="in_process",
+        kill_a_worker_of="vlm_assets.train.gpt_pretrain",
     )
+    # one MLflow run per attempt: the killed process's, the attempt whose worker died, the retry's
+    assert run.mlflow_statuses("gpt_checkpoint") == ["FAILED", "FINISHED", "KILLED"]
+    assert not _workers(str(tmp_path)), "a worker outlived the run"
+    (relaunch,) = [r for r in run.instance.get_runs() if r.status.value == "SUCCESS"]
+    retries = [
+        e.dagster_event
+        for e in run.instance.all_logs(relaunch.run_id)
+        if e.dagster_event and e.dagster_event.event_type_value == "STEP_UP_FOR_RETRY"
+    ]
+    assert len(retries) == 1 and "worker exit code -9" in str(retries[0].event_specific_data.error)
+
     meta = run.materialization("gpt_checkpoint")
-    assert meta["resumed_from_step"] == int(run.at_kill[-1].split("-")[1])
+    assert int(run.at_kill[-1].split("-")[1]) < meta["resumed_from_step"] == int(run.worker_killed_at.split("-")[1])
     assert meta["cache_key"] == ddp_run[2]["cache_key"] and meta["steps"] == MAX_STEPS
     assert meta["val_loss"] == pytest.approx(ddp_run[2]["val_loss"], abs=1e-5)
-    assert run.mlflow_statuses("gpt_checkpoint") == ["FINISHED", "KILLED"]
+    resumed = json.loads((Path(meta["uri"]) / "history.json").read_text())
+    uninterrupted = ddp_run[4]
+    assert [p["step"] for p in resumed["train"]] == list(range(1, MAX_STEPS + 1))
+    for a, b in zip(resumed["train"], uninterrupted["train"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["lr"] == pytest.approx(b["lr"])
+    for a, b in zip(resumed["val"], uninterrupted["val"], strict=True):
+        assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], abs=1e-5)
 
 
 def k8s_launcher_env(tmp_path: Path, k8s_testbed, namespace: str) -> dict[str, str]:
