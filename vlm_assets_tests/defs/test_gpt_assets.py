@@ -225,7 +225,7 @@ def test_a_timeout_then_a_longer_one_on_another_world_size_resumes_near_the_same
     training ends at max_steps with its checks passing. The launcher's clock jumps past the first
     timeout once the job is frozen, so it fires at that step however fast this machine is. Not
     bit-exact across world sizes (docs/training.md): the bound on the final val loss is 5 %. A resume
-    at the same world size is exact: the killed-worker test's curve."""
+    at the same world size is exact: the SIGKILL test's curve."""
     env = Env(tmp_path, mlflow_uri)
     freezer, frozen = _signal_after_checkpoints(env, str(tmp_path), 1, signal.SIGSTOP)
 
