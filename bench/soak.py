@@ -5,10 +5,13 @@
     python bench/soak.py --runs 4 --seed 2 --demo          # the demo profile's GPT (40 steps, 256 tokens)
     python bench/soak.py --runs 6 --seed 3 --assets gpt_checkpoint visualchat_model   # in turn
     python bench/soak.py --runs 6 --seed 4 --launcher k8s  # pods on the loopback Kubernetes testbed
+    python bench/soak.py --runs 2 --seed 147278 --assets gpt_checkpoint visualchat_model --ci   # CI's
 
 One uninterrupted reference run of each asset, then ``--runs`` materializations of the same configs
-(the assets in turn), each into a fresh prefix of a real S3 server (moto, on loopback) behind a fault
-proxy, through the real launcher (local torchrun, or ``--launcher k8s``: pods through a real API
+(the assets in turn; ``--ci``: each asset's runs in turn in a thread of their own, beside the other
+assets', each asset's behind fault proxies of its own: CI's 2 cores are otherwise half idle while one
+process starts at a time), each into a fresh prefix of a real S3 server (moto, on loopback) behind a
+fault proxy, through the real launcher (local torchrun, or ``--launcher k8s``: pods through a real API
 server, scheduler and controllers) and Dagster's RetryPolicy. Each attempt is a Dagster run of its own
 process (the run worker), its steps in processes it spawns (the multiprocess executor):
 ``gpt_checkpoint`` (with its ``token_shards``) on 2 nodes of 1 process, DDP (24 steps, a checkpoint every
@@ -315,18 +318,22 @@ def pod_process_groups(pod: str) -> list[int]:
     return groups
 
 
-def serve(command: list[str], port: int, what: str, log: Path) -> subprocess.Popen:
-    """Start a loopback server (dying with the soak: ``vlm_assets.launch.lifeline``); wait for its port."""
+def serve(command: list[str], log: Path) -> subprocess.Popen:
+    """Start a loopback server, dying with the soak (``vlm_assets.launch.lifeline``)."""
     with open(log, "w") as out:
-        server = subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "vlm_assets.launch.lifeline", "--exec", *command],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+
+
+def wait_serving(server: subprocess.Popen, port: int, what: str, log: Path) -> None:
+    """Wait until ``server`` listens on ``port``."""
     deadline = time.monotonic() + 180
     while True:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return server
+            return
         if server.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"{what} did not start: {log}")
         time.sleep(0.2)
@@ -363,40 +370,37 @@ class Soak:
         self.root.mkdir(parents=True, exist_ok=True)
         os.environ.update(AWS_ACCESS_KEY_ID="soak", AWS_SECRET_ACCESS_KEY="soak", AWS_DEFAULT_REGION="us-east-1")
         self.moto_port, self.mlflow_port = free_port(), free_port()
-        self.servers = [
-            serve(
-                ["-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.moto_port)],
-                self.moto_port,
-                "the S3 server (moto)",
-                self.root / "moto.log",
-            ),
-            serve(
-                [
-                    "-m",
-                    "mlflow",
-                    "server",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.mlflow_port),
-                    "--workers",
-                    "1",
-                    "--backend-store-uri",
-                    f"sqlite:///{self.root / 'mlflow.db'}",
-                ],
-                self.mlflow_port,
-                "the MLflow server",
-                self.root / "mlflow.log",
-            ),
-        ]
-        self.proxy = FaultProxy(self.moto_port)
-        self.mlflow_proxy = FaultProxy(self.mlflow_port)
-        # The token shards are streamed by MosaicML streaming, which finds S3 from the environment.
-        proxied = f"http://127.0.0.1:{self.proxy.port}"
-        os.environ.update(AWS_ENDPOINT_URL=proxied, S3_ENDPOINT_URL=proxied)
+        moto = ["-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.moto_port)]
+        mlflow = ["-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.mlflow_port), "--workers", "1"]
+        mlflow += ["--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}"]
+        self.servers = [serve(moto, self.root / "moto.log"), serve(mlflow, self.root / "mlflow.log")]
+        if "visualchat_model" in args.assets:
+            _ = self.models  # built while the servers start
+        wait_serving(self.servers[0], self.moto_port, "the S3 server (moto)", self.root / "moto.log")
+        wait_serving(self.servers[1], self.mlflow_port, "the MLflow server", self.root / "mlflow.log")
+        # Each asset's (S3, MLflow) fault proxies: one pair for all, or with --ci a pair each, so that a
+        # fault fired for one asset's run fails no request of the other asset's run beside it.
+        shared = None if args.ci else self.proxy_pair()
+        self.proxies = {asset: shared or self.proxy_pair() for asset in dict.fromkeys(args.assets)}
+        # The token shards are streamed by MosaicML streaming, which finds S3 from the environment (an
+        # attempt's own, set in ``materialize``; the k8s launcher's pods get this process's).
+        first = self.proxied(args.assets[0])
+        os.environ.update(AWS_ENDPOINT_URL=first, S3_ENDPOINT_URL=first)
         self.direct = self.client(self.moto_port)
         self.direct.create_bucket(Bucket="soak")
         self.k8s = self.start_k8s() if args.launcher == "k8s" else None
+
+    def proxy_pair(self) -> tuple[FaultProxy, FaultProxy]:
+        return FaultProxy(self.moto_port), FaultProxy(self.mlflow_port)
+
+    def proxied(self, asset: str) -> str:
+        """The S3 endpoint of ``asset``'s runs: its fault proxy."""
+        return f"http://127.0.0.1:{self.proxies[asset][0].port}"
+
+    @property
+    def injected(self) -> int:
+        """S3 writes failed by the proxies."""
+        return sum(s3.injected for s3, _ in set(self.proxies.values()))
 
     def start_k8s(self):
         """The k8s launcher's cluster: the loopback testbed (a real API server, scheduler and controllers;
@@ -478,7 +482,7 @@ class Soak:
             from vlm_assets_tests.k8s.testbed_fixtures import stop_testbed
 
             stop_testbed(self.testbed.run_dir)
-        for proxy in (self.proxy, self.mlflow_proxy):
+        for proxy in {proxy for pair in self.proxies.values() for proxy in pair}:
             proxy.server.shutdown()
         for server in self.servers:
             server.terminate()
@@ -547,12 +551,13 @@ class Soak:
         mount = ["mount", "-t", "tmpfs", "-o", f"size={SCRATCH_MIB}m", "vlm-soak-scratch", str(scratch)]
         subprocess.run(mount, check=True)
         prefix = f"{name}-{target.asset}-{os.getpid()}"
-        mlflow_uri = f"http://127.0.0.1:{self.mlflow_proxy.port}"  # what the runs use; the checks go direct
+        s3_proxy, mlflow_proxy = self.proxies[target.asset]
+        mlflow_uri = f"http://127.0.0.1:{mlflow_proxy.port}"  # what the runs use; the checks go direct
         store = {
             "bucket": "soak",
             "prefix": prefix,
             "cache_dir": str(home / "s3-cache"),
-            "endpoint_url": os.environ["AWS_ENDPOINT_URL"],
+            "endpoint_url": self.proxied(target.asset),
             "lease_ttl_s": 15,  # a killed step's lease: the relaunch waits this long to take it over
         }
         reader = S3ArtifactStoreResource(
@@ -614,9 +619,9 @@ class Soak:
                     fault.fired_at, fault.fired_time = steps[-1], time.time()
                     fault.victims = tuple(sorted(processes(target.module, str(home))["worker"]))
                     if fault.kind.startswith("s3"):
-                        self.proxy.arm(fault.kind, fault.size)
+                        s3_proxy.arm(fault.kind, fault.size)
                     elif fault.kind == "mlflow-down":
-                        self.mlflow_proxy.down_for(fault.size)
+                        mlflow_proxy.down_for(fault.size)
                     elif fault.kind == "run-worker":
                         if attempt and attempt[-1].poll() is None:
                             attempt[-1].send_signal(signal.SIGKILL)
@@ -651,7 +656,6 @@ class Soak:
 
         watcher = threading.Thread(target=watch, daemon=True)
         started = time.monotonic()
-        os.environ["VLM_ASSETS_HOME"] = str(home)
         watcher.start()
         try:
             # More faults than the RetryPolicy's 2 retries fail the run; the next run of the same key
@@ -665,7 +669,8 @@ class Soak:
                     known = {run.run_id for run in instance.get_runs()}
                     with open(home / "attempts.log", "a") as log:
                         command = [sys.executable, __file__, "--attempt", str(home / "attempt.json")]
-                        env = {**os.environ, "DAGSTER_HOME": str(dagster_home)}
+                        env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "VLM_ASSETS_HOME": str(home)}
+                        env.update(AWS_ENDPOINT_URL=store["endpoint_url"], S3_ENDPOINT_URL=store["endpoint_url"])
                         attempt.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
                     attempt[-1].wait()
                     new = [run for run in instance.get_runs() if run.run_id not in known]
@@ -696,8 +701,8 @@ class Soak:
         finally:
             stop.set()
             watcher.join()
-            self.proxy.arm(None, 0)
-            self.mlflow_proxy.down_for(0)
+            s3_proxy.arm(None, 0)
+            mlflow_proxy.down_for(0)
             (scratch / ".ballast").unlink(missing_ok=True)
         seconds = time.monotonic() - started
         materializations = [
@@ -878,6 +883,12 @@ def main(argv=None) -> int:
         help="k8s: pods on the loopback Kubernetes testbed (started here; not beside the k8s tests: its ports are "
         "fixed), and the pod faults (deletion, eviction) among the drawn ones",
     )
+    parser.add_argument(
+        "--ci",
+        action="store_true",
+        help="CI's shape: each asset's runs (its reference, then its faulted runs) beside the other assets' "
+        "(each asset with S3 and MLflow fault proxies of its own)",
+    )
     parser.add_argument("--attempt", help=argparse.SUPPRESS)  # the soak's own: run one attempt (run_attempt)
     args = parser.parse_args(argv)
     if args.attempt:
@@ -886,6 +897,8 @@ def main(argv=None) -> int:
         parser.error("--runs must be at least 1")
     if args.launcher != "k8s" and any(f.kind in POD_KINDS for f in args.faults or ()):
         parser.error(f"--faults {', '.join(POD_KINDS)}: pods are the k8s launcher's (--launcher k8s)")
+    if args.ci and args.launcher == "k8s":
+        parser.error("--ci: the local launcher's (the k8s launcher's pods find S3 through one endpoint)")
     if (status := in_private_mounts(sys.argv[1:] if argv is None else argv)) is not None:
         return status
     args.out = args.out or tempfile.mkdtemp(prefix="vlm-soak-")
@@ -896,32 +909,76 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     deadline = time.monotonic() + args.max_minutes * 60
     targets = [TARGETS[name] for name in dict.fromkeys(args.assets)]
-    rows, references, unfinished = [], {}, 0
+    kinds = KINDS if args.launcher == "k8s" else tuple(k for k in KINDS if k not in POD_KINDS)
+    # drawn in run order, before any run: the same schedules whatever runs beside what
+    schedules = [draw_schedule(rng, soak.checkpoint_steps(targets[i % len(targets)]), kinds) for i in range(args.runs)]
+    if args.faults:
+        schedules = [[dataclasses.replace(f) for f in args.faults] for _ in range(args.runs)]
+    references, runs = {}, {}
+
+    def reference(target: Target) -> None:
+        references[target.asset] = soak.materialize("reference", target, [])
+
+    def run(i: int) -> bool:
+        """Run ``i``; False, and nothing run, once --max-minutes has passed."""
+        if time.monotonic() > deadline:
+            return False
+        target = targets[i % len(targets)]
+        row = soak.materialize(f"run{i}", target, schedules[i])
+        row["lost_s"] = round(row["seconds"] - references[target.asset]["seconds"], 1)
+        expected = references[target.asset]["loss"]
+        if expected is not None and row["loss"] is not None and abs(row["loss"] - expected) > 1e-5:
+            row["problems"].append(f"{target.metric} {row['loss']} != uninterrupted {expected}")
+        runs[i] = row
+        return True
+
+    def lane(n: int) -> None:
+        """The ``n``-th asset's runs, in turn: two runs of one key side by side would end each other's
+        MLflow runs (the key's lease holder ends the key's RUNNING ones as orphans)."""
+        reference(targets[n])
+        for i in range(n, args.runs, len(targets)):
+            if not run(i):
+                return
+
     try:
-        for target in targets:  # one uninterrupted run of each
-            references[target.asset] = soak.materialize("reference", target, [])
-            rows.append(references[target.asset])
-        for i in range(args.runs):
-            if time.monotonic() > deadline:
-                print(f"--max-minutes {args.max_minutes} reached: {i} of {args.runs} runs done", file=sys.stderr)
-                unfinished = args.runs - i
-                break
-            target = targets[i % len(targets)]
-            kinds = KINDS if args.launcher == "k8s" else tuple(k for k in KINDS if k not in POD_KINDS)
-            schedule = draw_schedule(rng, soak.checkpoint_steps(target), kinds)
-            if args.faults:
-                schedule = [dataclasses.replace(f) for f in args.faults]
-            row = soak.materialize(f"run{i}", target, schedule)
-            row["lost_s"] = round(row["seconds"] - references[target.asset]["seconds"], 1)
-            expected = references[target.asset]["loss"]
-            if expected is not None and row["loss"] is not None and abs(row["loss"] - expected) > 1e-5:
-                row["problems"].append(f"{target.metric} {row['loss']} != uninterrupted {expected}")
-            rows.append(row)
+        if args.ci:
+            # imported here, once: two threads' first imports of one package can meet it half-initialized
+            import dagster  # noqa: F401
+            import mlflow  # noqa: F401
+
+            from vlm_assets.defs.platform.storage import S3ArtifactStoreResource  # noqa: F401
+            from vlm_assets.launch.local import training_processes  # noqa: F401
+
+            errors = []
+
+            def guarded(n: int) -> None:
+                try:
+                    lane(n)
+                except BaseException as error:
+                    errors.append(error)
+
+            lanes = [threading.Thread(target=guarded, args=(n,), daemon=True) for n in range(len(targets))]
+            for thread in lanes:
+                thread.start()
+            for thread in lanes:
+                thread.join()
+            if errors:
+                raise errors[0]
+        else:
+            for target in targets:  # one uninterrupted run of each
+                reference(target)
+            for i in range(args.runs):
+                if not run(i):
+                    break
     finally:
         soak.close()
+    unfinished = args.runs - len(runs)
+    if unfinished:
+        print(f"--max-minutes {args.max_minutes} reached: {len(runs)} of {args.runs} runs done", file=sys.stderr)
+    rows = [references[t.asset] for t in targets if t.asset in references] + [runs[i] for i in sorted(runs)]
     (Path(args.out) / "soak.json").write_text(json.dumps({"seed": args.seed, "runs": rows}, indent=1))
     print(table(rows))
-    print(f"S3 writes failed by the proxy: {soak.proxy.injected}; report: {Path(args.out) / 'soak.json'}")
+    print(f"S3 writes failed by the proxies: {soak.injected}; report: {Path(args.out) / 'soak.json'}")
     return exit_status(rows, unfinished)
 
 

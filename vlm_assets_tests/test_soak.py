@@ -1,5 +1,6 @@
-"""CI's short seeded soak (bench/soak.py): one uninterrupted reference run of each of gpt_checkpoint and
-visualchat_model, then one faulted run of each from seed 147278's schedule.
+"""CI's short seeded soak (bench/soak.py --ci): one uninterrupted reference run of each of gpt_checkpoint
+and visualchat_model, then one faulted run of each from seed 147278's schedule; each asset's two runs in
+turn, beside the other asset's, each asset's behind S3 and MLflow fault proxies of its own.
 
 gpt_checkpoint: the S3 server fails 8 checkpoint writes in a row after step 6 (past boto3's own retries:
 the retry rule's `unreachable`; how many attempts the outage spans depends on how the client's parallel
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_a_short_seeded_soak_loses_nothing(tmp_path, offline_data):
-    command = [sys.executable, str(REPO / "bench" / "soak.py"), "--runs", "2", "--seed", "147278"]
+    command = [sys.executable, str(REPO / "bench" / "soak.py"), "--runs", "2", "--seed", "147278", "--ci"]
     command += ["--assets", "gpt_checkpoint", "visualchat_model", "--out", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "VLM_ASSETS_HOME"))}
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
