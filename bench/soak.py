@@ -944,14 +944,11 @@ def main(argv=None) -> int:
         if args.ci:
             # imported here, once: two threads' first imports of one package can meet it half-initialized
             import dagster  # noqa: F401
-            import mlflow
+            import mlflow  # noqa: F401
 
             from vlm_assets.defs.platform.storage import S3ArtifactStoreResource  # noqa: F401
             from vlm_assets.launch.local import training_processes  # noqa: F401
 
-            # The runs' experiment, made before they start: two first runs side by side would both create it.
-            client = mlflow.MlflowClient(f"http://127.0.0.1:{soak.mlflow_port}")
-            client.create_experiment("vlm_assets", artifact_location=(soak.root / "mlruns").as_uri())
             errors = []
 
             def guarded(n: int) -> None:

@@ -101,3 +101,22 @@ def test_two_runs_of_one_key_on_s3(tmp_path, offline_data, s3_bucket, s3_endpoin
     manifest = json.loads(client.get_object(Bucket=bucket, Key=pointers[0])["Body"].read())
     commit_dirs = {k.split("/")[3] for k in keys("team/token_shards/") if not k.endswith("_COMPLETE.json")}
     assert commit_dirs == {manifest["location"]}  # one content-addressed commit, nothing stray
+
+
+def test_an_experiment_created_by_another_run_after_the_lookup_is_used(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from vlm_assets.defs.platform.tracking import MlflowTrackingResource
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking = MlflowTrackingResource(tracking_uri=uri, artifact_location=(tmp_path / "mlruns").as_uri())
+    other = MlflowTrackingResource(tracking_uri=uri, artifact_location=(tmp_path / "mlruns").as_uri())
+    created = other.experiment_id()  # by another run, just after this run's lookup found nothing:
+    lookup, calls = MlflowClient.get_experiment_by_name, []
+
+    def lookup_made_before_the_other_run_created_it(client, name):
+        calls.append(name)
+        return None if len(calls) == 1 else lookup(client, name)
+
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", lookup_made_before_the_other_run_created_it)
+    assert tracking.experiment_id() == created

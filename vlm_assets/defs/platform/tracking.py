@@ -118,11 +118,19 @@ class MlflowTrackingResource(dg.ConfigurableResource):
 
     def experiment_id(self) -> str:
         """Return the id of the experiment ``experiment_name``, creating it if missing."""
+        from mlflow.exceptions import MlflowException
+
         client = self.client()
         experiment = client.get_experiment_by_name(self.experiment_name)
         if experiment is not None:
             return experiment.experiment_id
-        return client.create_experiment(self.experiment_name, artifact_location=self.artifact_location)
+        try:
+            return client.create_experiment(self.experiment_name, artifact_location=self.artifact_location)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            # another run created it after this one looked (two first runs at once)
+            return client.get_experiment_by_name(self.experiment_name).experiment_id
 
     @contextlib.contextmanager
     def start_run(self, run_name: str, tags: Mapping[str, str] | None = None) -> Iterator[TrackedRun]:
