@@ -57,24 +57,26 @@ RULES = {
 }
 
 _SIGNALS = {-9, -15, 128 + 9, 128 + 15}
-# The last lines name the error: torchrun's own, the collective backends', the storage clients'.
+# The last lines name the error: torchrun's own, the storage clients', the collective backends'. A broken
+# collective comes last: it is what a rank's peers see when that rank fails for any of the other causes,
+# and on a node of several processes their tracebacks sit beside the failing rank's own.
 _PATTERNS = (
     ("disk_full", re.compile(r"DiskFullError|No space left on device|Disk quota exceeded", re.I)),
     ("rendezvous", re.compile(r"Rendezvous(Timeout|Closed|Connection)Error|rendezvous .*(timed out|closed)", re.I)),
-    (
-        "collective",
-        re.compile(
-            r"DistNetworkError|DistBackendError|Connection closed by peer|Connection reset by peer|"
-            r"gloo.*(Timed out|timeout)|NCCL (error|timeout)|Watchdog caught collective operation timeout",
-            re.I,
-        ),
-    ),
     (
         "unreachable",
         re.compile(
             r"EndpointConnectionError|ConnectTimeoutError|ConnectionClosedError|ReadTimeoutError|Max retries exceeded|"
             r"ServiceUnavailable|SlowDown|"
             r"\(InternalError\)|status code 50[0-9]|50[234] Server Error"
+        ),
+    ),
+    (
+        "collective",
+        re.compile(
+            r"DistNetworkError|DistBackendError|Connection closed by peer|Connection reset by peer|"
+            r"gloo.*(Timed out|timeout)|NCCL (error|timeout)|Watchdog caught collective operation timeout",
+            re.I,
         ),
     ),
 )
@@ -92,7 +94,7 @@ def rule_for(*, cause: str | None, exit_code: int | None, worker_exit_code: int 
         return RULES["bad_input"]
     if worker_exit_code in _SIGNALS or exit_code in _SIGNALS:
         return RULES["killed"]
-    text = "\n".join(tail[-60:])
+    text = "\n".join(tail)
     for name, pattern in _PATTERNS:
         if pattern.search(text):
             return RULES[name]

@@ -62,6 +62,15 @@ def test_an_unreachable_store_is_retryable_and_a_code_error_is_not():
         client.list_buckets()
     tail = "".join(traceback.format_exception(raised.value)).splitlines()
     assert rule_for(cause=None, exit_code=1, worker_exit_code=1, tail=tail).cause == "unreachable", tail
+    # One node of two processes: the peer's broken barrier follows the failing rank's traceback.
+    peer = [
+        "[rank1]: Traceback (most recent call last):",
+        *(f'[rank1]:   File "/x/module_{i}.py", line {i}, in step' for i in range(40)),
+        "[rank1]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed "
+        "by peer [127.0.0.1]:29500",
+    ]
+    assert rule_for(cause=None, exit_code=1, worker_exit_code=1, tail=tail + peer).cause == "unreachable"
+    assert rule_for(cause=None, exit_code=1, worker_exit_code=1, tail=peer).cause == "collective"
 
     try:
         {"lr": 1e-3}["learning_rate"]
