@@ -341,7 +341,8 @@ def kill_mid_training_and_relaunch(
     command to completion. ``executor``: ``in_process`` (the step runs in the killed process) or
     ``multiprocess`` (the step runs in a child of the killed orchestrator). ``kill_a_worker_of``: a
     trainer module; one of its workers in the relaunch is SIGKILLed once the relaunch has committed a
-    checkpoint of its own, so that the step's retry has to resume from that one."""
+    checkpoint of its own, so that the step's retry has to resume from that one; asserts that the
+    relaunch retried its step once, for that worker's exit -9, and that no worker outlived it."""
     import json
 
     from mlflow import MlflowClient
@@ -430,6 +431,15 @@ def kill_mid_training_and_relaunch(
 
     instance = dg.DagsterInstance.from_config(str(tmp_path / "dagster"))
     assert sorted(run.status.value for run in instance.get_runs()) == ["FAILURE", "SUCCESS"]
+    if kill_a_worker_of:
+        assert not training_workers(kill_a_worker_of, str(tmp_path)), "a worker outlived the relaunch"
+        (relaunch,) = [run for run in instance.get_runs() if run.status.value == "SUCCESS"]
+        retries = [
+            entry.dagster_event
+            for entry in instance.all_logs(relaunch.run_id)
+            if entry.dagster_event and entry.dagster_event.event_type_value == "STEP_UP_FOR_RETRY"
+        ]
+        assert len(retries) == 1 and "worker exit code -9" in str(retries[0].event_specific_data.error)
     return KilledAndRelaunched(at_kill, out, instance, mlflow_uri, killed.get("at"))
 
 

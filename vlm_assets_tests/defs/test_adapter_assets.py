@@ -335,14 +335,6 @@ def test_sigkill_of_dagster_then_of_a_worker_each_resume_the_same_losses(pipelin
     )
     # one MLflow run per attempt: the killed orchestrator's, the attempt whose worker died, the retry's
     assert run.mlflow_statuses("occlusion_adapter") == ["FAILED", "FINISHED", "KILLED"]
-    assert not _workers(str(tmp_path)), "a worker outlived the run"
-    (relaunch,) = [r for r in run.instance.get_runs() if r.status.value == "SUCCESS"]
-    retries = [
-        e.dagster_event
-        for e in run.instance.all_logs(relaunch.run_id)
-        if e.dagster_event and e.dagster_event.event_type_value == "STEP_UP_FOR_RETRY"
-    ]
-    assert len(retries) == 1 and "worker exit code -9" in str(retries[0].event_specific_data.error)
 
     adapter = run.materialization("occlusion_adapter")
     # the first kill came after epoch 1 or 2, the worker's after the relaunch's next checkpoint
