@@ -301,6 +301,19 @@ def training_workers(module: str, marker: str) -> list[int]:
     return training_processes(module, marker)["worker"]
 
 
+def launcher_clock_jumps(patch, when) -> None:
+    """Make the local launcher's clock run an hour ahead while ``when()`` holds, so that its timeout fires
+    at that point however long this machine took to reach it. ``patch``: a pytest ``MonkeyPatch``."""
+    import types
+
+    from vlm_assets.launch import local
+
+    def monotonic() -> float:
+        return time.monotonic() + (3600.0 if when() else 0.0)
+
+    patch.setattr(local, "time", types.SimpleNamespace(monotonic=monotonic, sleep=time.sleep))
+
+
 @dataclasses.dataclass
 class KilledAndRelaunched:
     at_kill: list[str]  # checkpoint keys committed when the step was killed

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -20,11 +19,17 @@ from mlflow.tracking import MlflowClient
 
 from vlm_assets.defs.data.token_assets import token_shards
 from vlm_assets.defs.models.gpt_assets import gpt_checkpoint
-from vlm_assets.launch import LaunchSpec, local, run_local
+from vlm_assets.launch import LaunchSpec, run_local
 from vlm_assets.train.checkpoints import CHECKPOINT_FILE, latest_checkpoint
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.run_config import RunPaths, overlay, write_run_file
-from vlm_assets_tests.conftest import IsolatedEnv, checks_of, kill_mid_training_and_relaunch, training_workers
+from vlm_assets_tests.conftest import (
+    IsolatedEnv,
+    checks_of,
+    kill_mid_training_and_relaunch,
+    launcher_clock_jumps,
+    training_workers,
+)
 from vlm_assets_tests.waiting import BOUND_S
 
 pytestmark = pytest.mark.slow
@@ -228,12 +233,8 @@ def test_a_timeout_then_a_longer_one_on_another_world_size_resumes_near_the_same
     at the same world size is exact: the SIGKILL test's curve."""
     env = Env(tmp_path, mlflow_uri)
     freezer, frozen = _signal_after_checkpoints(env, str(tmp_path), 1, signal.SIGSTOP)
-
-    def clock():
-        return time.monotonic() + (3600.0 if frozen else 0.0)
-
     with monkeypatch.context() as patch:
-        patch.setattr(local, "time", types.SimpleNamespace(monotonic=clock, sleep=time.sleep))
+        launcher_clock_jumps(patch, when=lambda: bool(frozen))
         first = env.materialize(run_config(offline_data, timeout_s=300), raise_on_error=False)
     freezer.join()
     assert frozen, "the job was never frozen after a checkpoint"

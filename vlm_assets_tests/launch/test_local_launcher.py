@@ -4,13 +4,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import types
 
 import pytest
 
 from vlm_assets.launch import LaunchFailed, LaunchSpec, local, run_local
 from vlm_assets.launch.local import alive
+from vlm_assets_tests.conftest import launcher_clock_jumps
 from vlm_assets_tests.waiting import BOUND_S
 
 WORKER = "vlm_assets_tests.launch.allreduce_worker"
@@ -50,18 +49,10 @@ def test_the_job_timeout_stops_a_hanging_job(monkeypatch):
     lines = []
     # The launcher's clock jumps past the deadline once both workers have reported: the timeout is
     # proven against started, hanging workers however long they took to start on this machine.
-    skipped = {"s": 0.0}
-
-    def on_line(line):
-        lines.append(line)
-        if len(_pids(lines)) == 2:
-            skipped["s"] = 3600.0
-
-    clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + skipped["s"], sleep=time.sleep)
-    monkeypatch.setattr(local, "time", clock)
+    launcher_clock_jumps(monkeypatch, when=lambda: len(_pids(lines)) >= 2)
     spec = LaunchSpec(WORKER, ("--hang",), num_nodes=1, nproc_per_node=2, env=ENV, timeout_s=600)
     with pytest.raises(LaunchFailed, match="past its 600 s timeout"):
-        run_local(spec, on_line=on_line)
+        run_local(spec, on_line=lines.append)
     pids = _pids(lines)
     assert len(pids) == 2 and not any(alive(pid) for pid in pids)
 
