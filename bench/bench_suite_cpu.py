@@ -1,0 +1,149 @@
+"""Where the CPU test suite's time goes on this machine: each test's wall seconds and the cores it kept
+busy, the idle core-seconds, and the floor (the suite's busy core-seconds over the cores: the shortest
+it could take here with its CPU work unchanged and no core ever idle).
+
+    python bench/bench_suite_cpu.py [--kernels avx2] [--write] [-- PYTEST ARGS]
+
+Busy time is machine-wide (``/proc/stat``), because a test's work is mostly in the processes it starts
+(workers, servers, daemons); run it with nothing else running. The suite runs in one pytest process with
+this file as a plugin (``-p bench_suite_cpu``), which appends one JSON line per test to the file named
+by ``BENCH_SUITE_CPU_OUT``.
+"""
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def busy_and_total_ticks() -> tuple[int, int]:
+    """Clock ticks all cores spent busy and in all, since boot (the ``cpu`` line of ``/proc/stat``)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except FileNotFoundError:
+        raise RuntimeError("bench_suite_cpu.py reads /proc/stat: it runs on Linux only") from None
+    # user nice system idle iowait irq softirq steal (guest time is counted in user and nice already)
+    user, nice, system, idle, iowait, irq, softirq, steal = ticks[:8]
+    busy = user + nice + system + irq + softirq
+    return busy, busy + idle + iowait + steal
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """One JSON line per test (setup, call and teardown together): its id, wall seconds, busy core-seconds."""
+    out = os.environ.get("BENCH_SUITE_CPU_OUT")
+    busy0, _ = busy_and_total_ticks()
+    started = time.monotonic()
+    yield
+    busy1, _ = busy_and_total_ticks()
+    if out:
+        row = {"test": item.nodeid, "wall_s": time.monotonic() - started}
+        row["busy_core_s"] = (busy1 - busy0) / os.sysconf("SC_CLK_TCK")
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def summarize(rows: list[dict], cores: int) -> dict:
+    """The suite's totals and floor, and per module: wall seconds, busy cores on average, idle core-seconds."""
+    if not rows:
+        raise ValueError("no test ran: nothing to summarize")
+    wall = sum(r["wall_s"] for r in rows)
+    busy = sum(r["busy_core_s"] for r in rows)
+    modules: dict[str, dict] = collections.defaultdict(lambda: {"tests": 0, "wall_s": 0.0, "busy_core_s": 0.0})
+    for r in rows:
+        m = modules[r["test"].split("::")[0]]
+        m["tests"] += 1
+        m["wall_s"] += r["wall_s"]
+        m["busy_core_s"] += r["busy_core_s"]
+    for m in modules.values():
+        m["idle_core_s"] = cores * m["wall_s"] - m["busy_core_s"]
+    return {
+        "tests": len(rows),
+        "cores": cores,
+        "wall_s": wall,
+        "busy_core_s": busy,
+        "busy_cores": busy / wall,
+        "idle_core_s": cores * wall - busy,
+        "floor_s": busy / cores,
+        "modules": dict(sorted(modules.items(), key=lambda kv: -kv[1]["wall_s"])),
+    }
+
+
+def markdown(summary: dict, rows: list[dict], top: int) -> str:
+    s = summary
+    lines = [
+        "| suite | |",
+        "|---|---:|",
+        f"| tests | {s['tests']} |",
+        f"| wall (s, setup + call + teardown of every test) | {s['wall_s']:.0f} |",
+        f"| busy core-seconds | {s['busy_core_s']:.0f} |",
+        f"| busy cores on average, of {s['cores']} | {s['busy_cores']:.2f} |",
+        f"| idle core-seconds | {s['idle_core_s']:.0f} |",
+        f"| floor: busy core-seconds / cores (s) | {s['floor_s']:.0f} ({s['floor_s'] / s['wall_s']:.2f} of the wall) |",
+        "",
+        "| module | tests | wall (s) | busy cores | idle core-s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, m in s["modules"].items():
+        lines.append(
+            f"| {name} | {m['tests']} | {m['wall_s']:.0f} | {m['busy_core_s'] / m['wall_s']:.2f} "
+            f"| {m['idle_core_s']:.0f} |"
+        )
+    lines += ["", f"The {top} tests that left the most core-seconds idle:", ""]
+    lines += ["| test | wall (s) | busy cores | idle core-s |", "|---|---:|---:|---:|"]
+    idle = lambda r: s["cores"] * r["wall_s"] - r["busy_core_s"]  # noqa: E731
+    for r in sorted(rows, key=idle, reverse=True)[:top]:
+        lines.append(f"| `{r['test']}` | {r['wall_s']:.1f} | {r['busy_core_s'] / r['wall_s']:.2f} | {idle(r):.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    sys.path.insert(0, str(HERE))
+    import results_file
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernels", default="native", choices=sorted(results_file.KERNELS))
+    parser.add_argument("--top", type=int, default=15, help="how many tests to list by idle core-seconds")
+    parser.add_argument("--write", action="store_true", help="write bench/results/suite-cpu_<machine>_<date>.*")
+    parser.add_argument("pytest_args", nargs="*", help="after `--`: arguments for pytest (default: the CPU suite)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tests.jsonl"
+        env = {
+            **os.environ,
+            **results_file.KERNELS[args.kernels],
+            "CUDA_VISIBLE_DEVICES": "",
+            "BENCH_SUITE_CPU_OUT": str(out),
+        }
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "bench_suite_cpu", "-p", "no:cacheprovider"]
+        command += args.pytest_args or ["-m", "not gpu"]
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        last = (proc.stdout.strip().splitlines() or [""])[-1]
+        rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
+        sys.exit(f"the suite failed ({last}): its times would describe another suite")
+    summary = summarize(rows, os.cpu_count() or 1)
+    kernels = " ".join(f"{k}={v}" for k, v in results_file.KERNELS[args.kernels].items()) or "no kernel override"
+    text = f"The suite's processes: {kernels}.\n\n" + markdown(summary, rows, args.top)
+    text += f"\nThe suite's last line: {last}\n"
+    print(text)
+    if args.write:
+        head = results_file.header(" ".join(["bench/bench_suite_cpu.py", *sys.argv[1:]]))
+        print(f"wrote {results_file.write('suite-cpu', head, text, {'summary': summary, 'tests': rows})}")
+
+
+if __name__ == "__main__":
+    main()
