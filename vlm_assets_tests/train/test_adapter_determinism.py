@@ -20,6 +20,7 @@ from vlm_assets.train.adapter_train import train
 from vlm_assets.train.entry import TrainerRun
 from vlm_assets.train.reporting import Reporter
 from vlm_assets.train.run_config import RunPaths
+from vlm_assets_tests.conftest import free_port
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def inputs(tmp_path_factory, offline_data):
 
 def _run(inputs, name: str, seed: int, monkeypatch) -> tuple[list[dict], dict, dict]:
     root, manifests, backbone = inputs
-    monkeypatch.setenv("MASTER_PORT", str(29500 + seed))  # one process: Lightning's DDP on gloo
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # one process: Lightning's DDP on gloo
     config = AdapterTrainConfig(
         model={"backbone": str(backbone)},
         optimizer={"epochs": 2, "lr": 5e-3, "global_batch_size": 16},
