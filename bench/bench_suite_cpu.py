@@ -26,27 +26,26 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 
-def busy_and_total_ticks() -> tuple[int, int]:
-    """Clock ticks all cores spent busy and in all, since boot (the ``cpu`` line of ``/proc/stat``)."""
+def busy_ticks() -> int:
+    """Clock ticks all cores spent busy since boot (the ``cpu`` line of ``/proc/stat``)."""
     try:
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:]]
     except FileNotFoundError:
         raise RuntimeError("bench_suite_cpu.py reads /proc/stat: it runs on Linux only") from None
     # user nice system idle iowait irq softirq steal (guest time is counted in user and nice already)
-    user, nice, system, idle, iowait, irq, softirq, steal = ticks[:8]
-    busy = user + nice + system + irq + softirq
-    return busy, busy + idle + iowait + steal
+    user, nice, system, _idle, _iowait, irq, softirq, _steal = ticks[:8]
+    return user + nice + system + irq + softirq
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """One JSON line per test (setup, call and teardown together): its id, wall seconds, busy core-seconds."""
     out = os.environ.get("BENCH_SUITE_CPU_OUT")
-    busy0, _ = busy_and_total_ticks()
+    busy0 = busy_ticks()
     started = time.monotonic()
     yield
-    busy1, _ = busy_and_total_ticks()
+    busy1 = busy_ticks()
     if out:
         row = {"test": item.nodeid, "wall_s": time.monotonic() - started}
         row["busy_core_s"] = (busy1 - busy0) / os.sysconf("SC_CLK_TCK")
