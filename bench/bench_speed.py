@@ -1,7 +1,8 @@
 """This checkout against an earlier commit, side by side on this machine: the first `main_job` on a fresh
 embedded default (wall time and each step's) and, with ``--suite``, the whole CPU test suite, once per
 kernel set (``native``; ``avx2`` makes an AVX-512 CPU use its AVX2 kernels, as the slowest machines of
-this kind do). Ratios are new / old in the same run.
+this kind do). Ratios are new / old in the same run. Each suite runs with ``bench_suite_cpu.py`` as a
+plugin, which adds its busy core-seconds and floor: whether a change cut work or only idle time.
 
     python bench/bench_speed.py --baseline REV                    # main_job, native kernels
     python bench/bench_speed.py --baseline REV --kernels native avx2 --suite --write
@@ -11,6 +12,7 @@ environment (its code first on PYTHONPATH), so only the code differs.
 """
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -19,9 +21,11 @@ import time
 from pathlib import Path
 
 import bench_demo
+import bench_suite_cpu
 import results_file
 
-REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 
 
 def worktree(rev: str) -> Path:
@@ -37,8 +41,6 @@ def main_job(code: Path, kernels: dict) -> dict:
     seconds, log = bench_demo.execute(env, None, code)
     report = bench_demo.newest(home, "eval_report") / "eval.json"
     chat = bench_demo.newest(home, "visualchat_model") / "eval.json"
-    import json
-
     r, c = json.loads(report.read_text()), json.loads(chat.read_text())
     return {
         "seconds": seconds,
@@ -56,18 +58,31 @@ def capability(kernels: dict) -> str:
 
 
 def suite(code: Path, kernels: dict) -> dict:
-    """Wall seconds of the CPU suite of ``code`` (its own tests, this environment) and its closing line."""
-    env = {**os.environ, **kernels, "PYTHONPATH": str(code), "CUDA_VISIBLE_DEVICES": ""}
-    started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "not gpu", "-p", "no:cacheprovider"],
-        cwd=code,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    """Wall seconds of the CPU suite of ``code`` (its own tests, this environment), its closing line, and
+    the busy core-seconds and floor ``bench_suite_cpu.py`` accounts (this checkout's plugin in both runs)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tests.jsonl"
+        env = {**os.environ, **kernels, "CUDA_VISIBLE_DEVICES": "", "BENCH_SUITE_CPU_OUT": str(out)}
+        env["PYTHONPATH"] = os.pathsep.join([str(code), str(HERE)])
+        started = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-m", "not gpu", "-p", "no:cacheprovider", "-p", "bench_suite_cpu"],
+            cwd=code,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        seconds = time.perf_counter() - started
+        rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     last = (proc.stdout.strip().splitlines() or [""])[-1]
-    return {"seconds": time.perf_counter() - started, "returncode": proc.returncode, "summary": last}
+    cpu = bench_suite_cpu.summarize(rows, os.cpu_count() or 1) if rows else {}
+    return {
+        "seconds": seconds,
+        "returncode": proc.returncode,
+        "summary": last,
+        "busy_core_s": cpu.get("busy_core_s"),
+        "floor_s": cpu.get("floor_s"),
+    }
 
 
 def main() -> None:
@@ -108,6 +123,8 @@ def main() -> None:
             pairs.append((f"  {step} (s)", old["main_job"]["steps"].get(step), new["main_job"]["steps"].get(step)))
         if args.suite:
             pairs.append(("test suite (s)", old["suite"]["seconds"], new["suite"]["seconds"]))
+            pairs.append(("  busy core-seconds", old["suite"]["busy_core_s"], new["suite"]["busy_core_s"]))
+            pairs.append(("  floor: busy core-seconds / cores (s)", old["suite"]["floor_s"], new["suite"]["floor_s"]))
         for label, a, b in pairs:
             ratio = f"{b / a:.2f}" if a and b else "-"
             lines.append(f"| {label} | {a or 0:.1f} | {b or 0:.1f} | {ratio} |")
