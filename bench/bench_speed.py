@@ -82,7 +82,19 @@ def suite(code: Path, kernels: dict) -> dict:
         "summary": last,
         "busy_core_s": cpu.get("busy_core_s"),
         "floor_s": cpu.get("floor_s"),
+        "tests": rows,
     }
+
+
+def busiest(old: list[dict], new: list[dict], top: int = 12) -> list[str]:
+    """A table of this checkout's ``top`` tests by busy core-seconds, each beside the same test's in the old run."""
+    before = {r["test"]: r for r in old}
+    lines = [f"This checkout's {top} tests with the most busy core-seconds (the old run's where it has the test):", ""]
+    lines += ["| test | busy core-s, old | busy core-s, new | wall (s), new |", "|---|---:|---:|---:|"]
+    for r in sorted(new, key=lambda r: -r["busy_core_s"])[:top]:
+        was = f"{before[r['test']]['busy_core_s']:.0f}" if r["test"] in before else "-"
+        lines.append(f"| `{r['test']}` | {was} | {r['busy_core_s']:.0f} | {r['wall_s']:.0f} |")
+    return [*lines, ""]
 
 
 def main() -> None:
@@ -135,6 +147,8 @@ def main() -> None:
         if args.suite:
             lines.append(f"| suite's last line | {old['suite']['summary']} | {new['suite']['summary']} | |")
         lines.append("")
+        if args.suite and new["suite"]["tests"]:
+            lines += busiest(old["suite"]["tests"], new["suite"]["tests"])
     markdown = "\n".join(lines)
     print(markdown)
     if args.write:
