@@ -6,6 +6,7 @@ plugin, which adds its busy core-seconds and floor: whether a change cut work or
 
     python bench/bench_speed.py --baseline REV                    # main_job, native kernels
     python bench/bench_speed.py --baseline REV --kernels native avx2 --suite --write
+    python bench/bench_speed.py --baseline REV --kernels avx2 --repeat 3 --write   # main_job's spread
 
 The earlier commit is checked out into a temporary git worktree and runs on this checkout's virtual
 environment (its code first on PYTHONPATH), so only the code differs.
@@ -14,6 +15,7 @@ environment (its code first on PYTHONPATH), so only the code differs.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,8 +104,11 @@ def main() -> None:
     parser.add_argument("--baseline", required=True, help="the earlier commit (any git revision)")
     parser.add_argument("--kernels", nargs="+", default=["native"], choices=sorted(results_file.KERNELS))
     parser.add_argument("--suite", action="store_true", help="also time the whole CPU test suite of both")
+    parser.add_argument("--repeat", type=int, default=1, help="main_job runs per commit, old and new in turn")
     parser.add_argument("--write", action="store_true", help="write bench/results/speed_<machine>_<date>.{md,json}")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat: at least 1 run per commit, not {args.repeat}")
     avx512 = any(v.startswith("avx512") for v in results_file.cpu()["vector_extensions"])
     if "avx2" in args.kernels and not avx512:
         print("this CPU has no AVX-512: its native kernels are the AVX2 ones; measuring `native` only")
@@ -115,12 +120,18 @@ def main() -> None:
     ran = {kernel: capability(results_file.KERNELS[kernel]) for kernel in args.kernels}
     try:
         for kernel in args.kernels:
-            for name, code in codes.items():
-                print(f"== {kernel} kernels, {name}: main_job", flush=True)
-                results.setdefault(kernel, {})[name] = {"main_job": main_job(code, results_file.KERNELS[kernel])}
-                if args.suite:
+            by_code = results.setdefault(kernel, {name: {"main_job_seconds": []} for name in codes})
+            # old and new in turn, so that a slow spell of a shared machine falls on both
+            for i in range(args.repeat):
+                for name, code in codes.items():
+                    print(f"== {kernel} kernels, {name}: main_job ({i + 1} of {args.repeat})", flush=True)
+                    run = main_job(code, results_file.KERNELS[kernel])
+                    by_code[name].setdefault("main_job", run)
+                    by_code[name]["main_job_seconds"].append(run["seconds"])
+            if args.suite:
+                for name, code in codes.items():
                     print(f"== {kernel} kernels, {name}: suite", flush=True)
-                    results[kernel][name]["suite"] = suite(code, results_file.KERNELS[kernel])
+                    by_code[name]["suite"] = suite(code, results_file.KERNELS[kernel])
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, capture_output=True)
 
@@ -129,8 +140,18 @@ def main() -> None:
         (old_name, old), (new_name, new) = by_code.items()
         env = " ".join(f"{k}={v}" for k, v in results_file.KERNELS[kernel].items()) or "no override"
         lines += [f"## {kernel} kernels", "", f"Both runs' processes: {env}; torch ran its {ran[kernel]} kernels.", ""]
+        runs = old["main_job_seconds"], new["main_job_seconds"]
+        if args.repeat > 1:
+            each = " ".join(f"{b / a:.2f}" for a, b in zip(*runs, strict=True))
+            lines += [
+                f"main_job ran {args.repeat} times per commit, old and new in turn (each a fresh home's first run):"
+                f" its row is the median; the steps and the gates are each commit's first run. Each pair's new /"
+                f" old: {each}; each run (s), old: {', '.join(f'{x:.0f}' for x in runs[0])}; new:"
+                f" {', '.join(f'{x:.0f}' for x in runs[1])}.",
+                "",
+            ]
         lines += [f"| | {old_name} | {new_name} | new / old |", "|---|---:|---:|---:|"]
-        pairs = [("main_job, first run (s)", old["main_job"]["seconds"], new["main_job"]["seconds"])]
+        pairs = [("main_job, first run (s)", statistics.median(runs[0]), statistics.median(runs[1]))]
         for step in dict.fromkeys([*old["main_job"]["steps"], *new["main_job"]["steps"]]):
             pairs.append((f"  {step} (s)", old["main_job"]["steps"].get(step), new["main_job"]["steps"].get(step)))
         if args.suite:
