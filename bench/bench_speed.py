@@ -62,20 +62,9 @@ def capability(kernels: dict) -> str:
 def suite(code: Path, kernels: dict) -> dict:
     """Wall seconds of the CPU suite of ``code`` (its own tests, this environment), its closing line, and
     the busy core-seconds and floor ``bench_suite_cpu.py`` accounts (this checkout's plugin in both runs)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "tests.jsonl"
-        env = {**os.environ, **kernels, "CUDA_VISIBLE_DEVICES": "", "BENCH_SUITE_CPU_OUT": str(out)}
-        env["PYTHONPATH"] = os.pathsep.join([str(code), str(HERE)])
-        started = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-m", "not gpu", "-p", "no:cacheprovider", "-p", "bench_suite_cpu"],
-            cwd=code,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        seconds = time.perf_counter() - started
-        rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    started = time.perf_counter()
+    proc, rows = bench_suite_cpu.run_suite(code, kernels, ["-m", "not gpu"], [str(code), str(HERE)])
+    seconds = time.perf_counter() - started
     last = (proc.stdout.strip().splitlines() or [""])[-1]
     cpu = bench_suite_cpu.summarize(rows, os.cpu_count() or 1) if rows else {}
     return {

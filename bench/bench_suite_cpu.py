@@ -107,6 +107,23 @@ def markdown(summary: dict, rows: list[dict], top: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_suite(
+    cwd: Path, kernels: dict, pytest_args: list[str], pythonpath: list[str | None]
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Run pytest in ``cwd`` with this file as its plugin; return the process and the rows it wrote per test.
+
+    ``pythonpath`` lists PYTHONPATH's entries in order (``None`` entries left out); it must reach this file.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tests.jsonl"
+        env = {**os.environ, **kernels, "CUDA_VISIBLE_DEVICES": "", "BENCH_SUITE_CPU_OUT": str(out)}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, pythonpath))
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "bench_suite_cpu", "-p", "no:cacheprovider"]
+        proc = subprocess.run([*command, *pytest_args], cwd=cwd, env=env, capture_output=True, text=True)
+        rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    return proc, rows
+
+
 def main() -> None:
     sys.path.insert(0, str(HERE))
     import results_file
@@ -117,20 +134,9 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="write bench/results/suite-cpu_<machine>_<date>.*")
     parser.add_argument("pytest_args", nargs="*", help="after `--`: arguments for pytest (default: the CPU suite)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "tests.jsonl"
-        env = {
-            **os.environ,
-            **results_file.KERNELS[args.kernels],
-            "CUDA_VISIBLE_DEVICES": "",
-            "BENCH_SUITE_CPU_OUT": str(out),
-        }
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "bench_suite_cpu", "-p", "no:cacheprovider"]
-        command += args.pytest_args or ["-m", "not gpu"]
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-        last = (proc.stdout.strip().splitlines() or [""])[-1]
-        rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    pythonpath = [str(HERE), os.environ.get("PYTHONPATH")]
+    proc, rows = run_suite(REPO, results_file.KERNELS[args.kernels], args.pytest_args or ["-m", "not gpu"], pythonpath)
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
     if proc.returncode != 0:
         print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
         sys.exit(f"the suite failed ({last}): its times would describe another suite")
