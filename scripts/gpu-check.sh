@@ -3,7 +3,7 @@
 #   scripts/gpu-check.sh --plan        # anywhere: the parts, their limits, the carry and its size
 #   scripts/gpu-check.sh --fetch       # here (PyPI reachable): py3.12 wheels + offline data into .gpu-carry/
 #   scripts/gpu-check.sh --stamp       # here, after the last commit: the carry names the tree's commit
-#   scripts/gpu-check.sh               # on the GPU machine (carry .gpu-carry): every part, <= 7.5 minutes
+#   scripts/gpu-check.sh               # on the GPU machine (carry .gpu-carry): every part, <= 8 minutes
 #   scripts/gpu-check.sh --only PART   # one part again (after the smoke test)
 #   (the GPU machine's copy of the tree has no .git, or a stale one: the stamp holds the commit and each
 #   file's digest, and the results name that commit only if no file has changed since)
