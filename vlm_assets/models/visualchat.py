@@ -221,9 +221,9 @@ class VisualChatModel(nn.Module):
     ):
         """Return the decoder output.
 
-        With ``labels``: ``.loss`` (mean over the unmasked answer tokens) and ``.logits`` at the positions followed by
-        a label in some row only. ``segments`` (B, T): packed-sample ids, 0 = padding (default: one sample per row, no
-        padding); ``position_ids`` restart per segment (default: 0..T-1).
+        With ``labels``: ``.loss`` (mean over the unmasked answer tokens) and ``.logits`` (N, vocab) at the N
+        tokens that a label follows only, in row-major order. ``segments`` (B, T): packed-sample ids, 0 = padding
+        (default: one sample per row, no padding); ``position_ids`` restart per segment (default: 0..T-1).
         """
         if segments is None:
             segments = torch.ones_like(input_ids)
@@ -233,16 +233,18 @@ class VisualChatModel(nn.Module):
             embeds = self.embed(input_ids, pixels)
             if labels is None:
                 return self.decoder(inputs_embeds=embeds, position_ids=position_ids)
-            # The vocabulary projection only where a label follows (the answers: a few percent of a
-            # chat sample): over a 50k vocabulary it is most of a small decoder's work otherwise.
-            # transformers' own loss needs every position's logits, so the loss is computed here.
+            # The vocabulary projection only at the tokens a label follows (the answers: a quarter of a
+            # demo row, a few percent of a long chat): over a 50k vocabulary it is most of a small
+            # decoder's work otherwise. transformers' loss takes every position's logits and its
+            # ``logits_to_keep`` one set of positions for all rows, so the decoder's body runs alone here.
             targets = labels[:, 1:]
-            keep = (targets != IGNORE_INDEX).any(dim=0).nonzero().flatten()
-            out = self.decoder(inputs_embeds=embeds, position_ids=position_ids, logits_to_keep=keep)
-            out.loss = nn.functional.cross_entropy(
-                out.logits.flatten(0, 1).float(), targets[:, keep].flatten(), ignore_index=IGNORE_INDEX
-            )
-            return out
+            answered = targets != IGNORE_INDEX
+            hidden = self.decoder.get_decoder()(inputs_embeds=embeds, position_ids=position_ids).last_hidden_state
+            logits = self.decoder.get_output_embeddings()(hidden[:, :-1][answered])
+            loss = nn.functional.cross_entropy(logits.float(), targets[answered])
+            from transformers.modeling_outputs import CausalLMOutput
+
+            return CausalLMOutput(loss=loss, logits=logits)
 
     def layout(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> Layout:
         """Return the attention layout of a batch.

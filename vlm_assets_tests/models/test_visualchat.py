@@ -130,6 +130,49 @@ def test_packed_samples_give_the_loss_of_the_same_samples_unpacked(tmp_path, off
     torch.testing.assert_close(packed, unpacked, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_loss_from_the_answers_logits_alone_is_transformers_loss_with_its_gradients(tmp_path, offline_data, arch):
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    from vlm_assets.data.tokens import positions_from_segments
+    from vlm_assets.models.visualchat_attention import attention_layout
+
+    config = VisualChatModelConfig(
+        encoder_kind="clip",
+        encoder=str(tiny_clip(tmp_path / "clip")),
+        projection="linear",
+        decoder=str(tiny_decoder(tmp_path / arch, offline_data, arch)),
+    )
+    model = VisualChatModel.build(config).eval()
+    transposed = any(isinstance(m, Conv1D) for m in model.decoder.modules())
+    lora = LoraConfig(r=4, target_modules="all-linear", fan_in_fan_out=transposed, init_lora_weights=False)
+    model.decoder = get_peft_model(model.decoder, lora)  # as the trainer wraps it; non-zero, so it counts
+    torch.manual_seed(0)
+    rows = [_sample(model, 2, "Which of these is a cat?", "the first"), _sample(model, 1, "Shown?", "a ship")]
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((2, width), model.tokenizer.pad_token_id)
+    labels = torch.full((2, width), -100)
+    segments = torch.zeros(2, width, dtype=torch.long)
+    for row, (i, lab) in enumerate(rows):  # the answers at other positions in each row
+        ids[row, : len(i)], labels[row, : len(lab)], segments[row, : len(i)] = torch.tensor(i), torch.tensor(lab), 1
+    pixels = torch.rand(3, 3, 32, 32)
+    names, trained = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+
+    ours = model(ids, pixels, labels=labels, segments=segments)
+    with attention_layout(model.layout(ids, segments)):  # transformers' loss: every position's logits
+        embeds = model.embed(ids, pixels)
+        theirs = model.decoder(inputs_embeds=embeds, position_ids=positions_from_segments(segments), labels=labels)
+    assert ours.logits.shape == ((labels[:, 1:] != -100).sum(), len(model.tokenizer))
+    torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-5, atol=1e-6)
+    mine = torch.autograd.grad(ours.loss, trained, allow_unused=True)
+    reference = torch.autograd.grad(theirs.loss, trained, allow_unused=True)
+    for name, a, b in zip(names, mine, reference):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_image_features_land_at_the_image_tokens(clip_model):
     ids, _ = _sample(clip_model, 2, "Compare these", "ok")
     pixels = torch.rand(2, 3, 32, 32)
