@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 
-def tiny_decoder(out_dir: Path, offline: Path, arch: str = "llama", seed: int = 0) -> Path:
+def tiny_decoder(out_dir: Path, offline: Path, arch: str = "llama", seed: int = 0, init_std: float = 0.02) -> Path:
+    """A 2-layer, 64-wide decoder; an ``init_std`` of about 0.2 makes its greedy answers depend on the image."""
     from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -25,10 +26,13 @@ def tiny_decoder(out_dir: Path, offline: Path, arch: str = "llama", seed: int = 
                 max_position_embeddings=1024,
                 bos_token_id=tokenizer.eos_token_id,
                 eos_token_id=tokenizer.eos_token_id,
+                initializer_range=init_std,
             )
         )
     else:
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=1024))
+        model = GPT2LMHeadModel(
+            GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=1024, initializer_range=init_std)
+        )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
