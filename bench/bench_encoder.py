@@ -1,15 +1,17 @@
-"""The EfficientNet-Lite0 encoder's forward in torch's default (NCHW) layout against channels-last, in one run.
+"""The EfficientNet-Lite0 encoder's forward: NCHW, channels-last, and channels-last with BatchNorm folded, in one run.
 
     python bench/bench_encoder.py [--batch 50] [--image-size 224] [--repeats 5] [--write]
 
 The encoder is the demo's (the packaged ImageNet weights, eval mode, no grad; the demo runs it at 128 px):
 most of ``eval_report``'s time (three forwards of each validation image) and what fills VisualChat's
-feature cache (each image once). Each layout runs ``--repeats`` times, alternating, on the same random batch;
-the best time of each is reported, their ratio, and the largest difference of the features (the two
-layouts sum in different orders).
+feature cache (each image once). The folded forward is the frozen backbone's (``fold_batchnorm``: what
+``eval_report`` runs). Each runs ``--repeats`` times, alternating, on the same random batch; the best time of
+each is reported, the ratios to NCHW, and the largest difference of the features from NCHW's (each sums in
+another order).
 """
 
 import argparse
+import copy
 import sys
 import time
 from pathlib import Path
@@ -37,36 +39,41 @@ def main() -> None:
     def nchw(pixels: torch.Tensor) -> torch.Tensor:  # the same network on pixels in the default layout
         return encoder.net.extract_features(encoder.normalize(pixels)).flatten(2).transpose(1, 2)
 
+    folded = copy.deepcopy(encoder)
+    folded.fold_batchnorm()
     pixels = torch.rand(args.batch, 3, args.image_size, args.image_size)
-    times: dict[str, list[float]] = {"NCHW (torch's default)": [], "channels-last": []}
+    forwards = {"NCHW (torch's default)": nchw, "channels-last": encoder, "channels-last, BatchNorm folded": folded}
+    times: dict[str, list[float]] = {name: [] for name in forwards}
     outputs = {}
     with torch.no_grad():
-        for forward in (nchw, encoder):
+        for forward in forwards.values():
             forward(pixels[:2])  # oneDNN's kernels are chosen at the first call
         for _ in range(args.repeats):
-            for name, forward in zip(times, (nchw, encoder)):
+            for name, forward in forwards.items():
                 started = time.perf_counter()
                 outputs[name] = forward(pixels)
                 times[name].append(time.perf_counter() - started)
     best = {name: min(t) for name, t in times.items()}
-    base, new = best.values()
-    diff = float((outputs["channels-last"] - outputs["NCHW (torch's default)"]).abs().max())
-    scale = float(outputs["NCHW (torch's default)"].abs().max())
+    base = best["NCHW (torch's default)"]
+    reference = outputs["NCHW (torch's default)"]
+    diffs = {name: float((out - reference).abs().max()) for name, out in outputs.items()}
+    scale = float(reference.abs().max())
     lines = [
         f"EfficientNet-Lite0 forward, {args.batch} images at {args.image_size} px, best of {args.repeats}, "
         f"{torch.get_num_threads()} threads.",
         "",
-        "| layout | seconds | images/s |",
-        "|---|---:|---:|",
-        *(f"| {name} | {t:.3f} | {args.batch / t:.1f} |" for name, t in best.items()),
-        "",
-        f"channels-last / NCHW: **{new / base:.2f}**; largest feature difference {diff:.1e} "
-        f"({diff / scale:.1e} of the largest feature).",
+        "| forward | seconds | images/s | time / NCHW | largest feature difference from NCHW |",
+        "|---|---:|---:|---:|---:|",
+        *(
+            f"| {name} | {t:.3f} | {args.batch / t:.1f} | {t / base:.2f} | {diffs[name] / scale:.1e} of the largest |"
+            for name, t in best.items()
+        ),
     ]
     markdown = "\n".join(lines)
     print(markdown)
     if args.write:
-        data = {"batch": args.batch, "repeats": args.repeats, "seconds": times, "ratio": new / base, "max_diff": diff}
+        ratios = {name: t / base for name, t in best.items()}
+        data = {"batch": args.batch, "repeats": args.repeats, "seconds": times, "ratio": ratios, "max_diff": diffs}
         command = " ".join(["bench/bench_encoder.py", *sys.argv[1:]])
         print(results_file.write("encoder", results_file.header(command), markdown, data))
 

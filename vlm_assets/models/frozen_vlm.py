@@ -158,6 +158,7 @@ class VisualChatBackbone(FrozenVLM):
         gradient_checkpointing: bool = False,
     ):
         super().__init__()
+        from vlm_assets.models.vision_encoders import EfficientNetLite0Encoder
         from vlm_assets.models.visualchat import VisualChatModel
 
         if gradient_checkpointing:
@@ -166,6 +167,9 @@ class VisualChatBackbone(FrozenVLM):
             raise ValueError("gradient_checkpointing is not supported with a VisualChat backbone")
         self.model = VisualChatModel.from_pretrained(directory).to(dtype)
         self.model.requires_grad_(False)
+        self.model.eval()
+        if isinstance(self.model.encoder, EfficientNetLite0Encoder):  # frozen and never saved from here
+            self.model.encoder.fold_batchnorm()
         self.max_length, self.dtype = max_length, dtype
         self.tokenizer = self.model.tokenizer
 

@@ -33,6 +33,8 @@ from vlm_assets.paths import require_local
 
 # TensorFlow's EfficientNet-Lite preprocessing: (x - 127) / 128 on 0-255 pixels.
 _LITE_MEAN, _LITE_STD = 127.0 / 255.0, 128.0 / 255.0
+# Each MBConv block's convolutions and the BatchNorm after each (efficientnet_lite_pytorch's names).
+_BLOCK_FOLDS = (("_expand_conv", "_bn0"), ("_depthwise_conv", "_bn1"), ("_project_conv", "_bn2"))
 
 
 class VisionEncoder(nn.Module, ABC):
@@ -95,6 +97,29 @@ class EfficientNetLite0Encoder(VisionEncoder):
             self.net.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
         # Only the feature extractor is used: the classifier head would be dead weight in every export.
         del self.net._fc
+        self.folded = False
+
+    def fold_batchnorm(self) -> None:
+        """Fold every BatchNorm into the convolution before it; the encoder must be in eval mode (frozen, inference).
+
+        The same features, to float rounding, in fewer passes over the feature maps: BatchNorm over channels-last
+        maps is a large share of the encoder's time on a CPU. The running statistics are gone, so a folded
+        encoder refuses ``save``.
+        """
+        from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+        if self.training:
+            raise ValueError("fold_batchnorm needs the encoder in eval mode (training BatchNorm uses batch statistics)")
+        pairs = [(self.net, "_conv_stem", "_bn0"), (self.net, "_conv_head", "_bn1")]
+        for block in self.net._blocks:
+            pairs += [(block, conv, bn) for conv, bn in _BLOCK_FOLDS if hasattr(block, conv)]
+        for owner, conv, bn in pairs:
+            setattr(owner, conv, fuse_conv_bn_eval(getattr(owner, conv), getattr(owner, bn)))
+            setattr(owner, bn, nn.Identity())
+        for module in self.net.modules():  # each ReLU6 now follows a convolution whose output nothing else reads
+            if isinstance(module, nn.ReLU6):
+                module.inplace = True
+        self.folded = True
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """Return the final feature map of ``pixels`` as (N, num_tokens, 1280) tokens."""
@@ -109,6 +134,9 @@ class EfficientNetLite0Encoder(VisionEncoder):
     def save(self, directory: Path) -> None:
         """Save the weights (``model.safetensors``) and input size (``efficientnet.json``) in ``directory``."""
         from safetensors.torch import save_file
+
+        if self.folded:
+            raise ValueError("a folded encoder has no BatchNorm statistics to save: save the encoder before folding")
 
         directory.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.net.state_dict().items()}, str(directory / "model.safetensors"))

@@ -278,6 +278,31 @@ def test_efficientnet_lite0_gives_49_tokens_of_1280_from_pretrained_weights(offl
     assert all(p.is_contiguous() for p in encoder.parameters())
 
 
+def test_a_folded_efficientnet_gives_the_same_features_and_refuses_to_save(tmp_path, offline_data):
+    from PIL import Image
+
+    from vlm_assets.models.vision_encoders import EfficientNetLite0Encoder
+
+    encoder = EfficientNetLite0Encoder(image_size=128)
+    images = sorted((offline_data / "cifar10-samples").glob("*.png"))[:4]
+    pixels = torch.stack(
+        [torch.from_numpy(np.array(Image.open(p).convert("RGB").resize((128, 128)))).permute(2, 0, 1) for p in images]
+    ).float()
+    pixels = pixels / 255
+    with pytest.raises(ValueError, match="eval mode"):
+        encoder.fold_batchnorm()  # training BatchNorm normalizes by the batch: nothing to fold
+    encoder.eval()
+    with torch.no_grad():
+        unfolded = encoder(pixels)
+        encoder.fold_batchnorm()
+        folded = encoder(pixels)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in encoder.modules())
+    assert unfolded.std() > 0.1 and (folded - unfolded).abs().max() <= 1e-4 * unfolded.abs().max()
+    with pytest.raises(ValueError, match="save the encoder before folding"):
+        encoder.save(tmp_path / "encoder")
+    assert not (tmp_path / "encoder" / "model.safetensors").exists()
+
+
 def test_efficientnet_at_another_input_size_gives_a_token_per_32_pixels_and_saves_it(tmp_path, offline_data):
     """At 128 px EfficientNet-Lite0 gives 4 x 4 = 16 tokens; saved and loaded, the encoder keeps its size and
     gives the same features. A size the feature map's stride does not divide, or a size for another kind of
