@@ -233,6 +233,8 @@ class VisualChatModel(nn.Module):
             embeds = self.embed(input_ids, pixels)
             if labels is None:
                 return self.decoder(inputs_embeds=embeds, position_ids=position_ids)
+            from transformers.modeling_outputs import CausalLMOutput
+
             # The vocabulary projection only at the tokens a label follows (the answers: a quarter of a
             # demo row, a few percent of a long chat): over a 50k vocabulary it is most of a small
             # decoder's work otherwise. transformers' loss takes every position's logits and its
@@ -242,8 +244,6 @@ class VisualChatModel(nn.Module):
             hidden = self.decoder.get_decoder()(inputs_embeds=embeds, position_ids=position_ids).last_hidden_state
             logits = self.decoder.get_output_embeddings()(hidden[:, :-1][answered])
             loss = nn.functional.cross_entropy(logits.float(), targets[answered])
-            from transformers.modeling_outputs import CausalLMOutput
-
             return CausalLMOutput(loss=loss, logits=logits)
 
     def layout(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> Layout:
