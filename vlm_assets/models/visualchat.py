@@ -40,6 +40,24 @@ def pixel_keys(pixels: torch.Tensor) -> list[bytes]:
     return [hashlib.blake2b(p.detach().float().cpu().numpy().tobytes(), digest_size=16).digest() for p in pixels]
 
 
+# Config fields by which a causal LM's forward does more than project its decoder's output: soft-capped
+# or scaled logits (Gemma 2/3, Cohere, Granite, Falcon-H1) or a router balance loss added to the loss
+# (mixture-of-experts decoders), each with the value at which it does nothing.
+_HEAD_EXTRAS = {
+    "final_logit_softcapping": None,
+    "logit_scale": 1.0,
+    "logits_scaling": 1.0,
+    "lm_head_multiplier": 1.0,
+    "output_router_logits": False,
+}
+
+
+def plain_output_head(config) -> bool:
+    """Whether a causal LM's loss is the cross-entropy of its output embeddings over its decoder's output."""
+    text = config.get_text_config()
+    return all(getattr(text, name, idle) in (idle, None) for name, idle in _HEAD_EXTRAS.items())
+
+
 class VisualChatModel(nn.Module):
     """A vision encoder, a projection into the decoder's embeddings, and a causal language model decoder."""
 
@@ -241,6 +259,9 @@ class VisualChatModel(nn.Module):
             # ``logits_to_keep`` one set of positions for all rows, so the decoder's body runs alone here.
             targets = labels[:, 1:]
             answered = targets != IGNORE_INDEX
+            if not plain_output_head(self.decoder.config):
+                out = self.decoder(inputs_embeds=embeds, position_ids=position_ids, labels=labels)
+                return CausalLMOutput(loss=out.loss, logits=out.logits[:, :-1][answered])
             hidden = self.decoder.get_decoder()(inputs_embeds=embeds, position_ids=position_ids).last_hidden_state
             logits = self.decoder.get_output_embeddings()(hidden[:, :-1][answered])
             loss = nn.functional.cross_entropy(logits.float(), targets[answered])

@@ -99,6 +99,17 @@ def _sample(model, n_images: int, text: str, answer: str):
     return ids + target, [-100] * len(ids) + target
 
 
+def _padded_batch(model, rows: list[tuple[list[int], list[int]]]):
+    """The ids, labels and segments (1 = the sample, 0 = padding) of ``_sample`` rows padded on the right."""
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), model.tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    segments = torch.zeros(len(rows), width, dtype=torch.long)
+    for row, (i, lab) in enumerate(rows):
+        ids[row, : len(i)], labels[row, : len(lab)], segments[row, : len(i)] = torch.tensor(i), torch.tensor(lab), 1
+    return ids, labels, segments
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_packed_samples_give_the_loss_of_the_same_samples_unpacked(tmp_path, offline_data, arch):
     config = VisualChatModelConfig(
@@ -113,12 +124,7 @@ def test_packed_samples_give_the_loss_of_the_same_samples_unpacked(tmp_path, off
     torch.manual_seed(0)
     a, b = _sample(model, 2, "Which of these is a cat?", "the first"), _sample(model, 1, "What is shown?", "a ship")
     pixels = torch.rand(3, 3, 32, 32)
-    width = max(len(a[0]), len(b[0]))
-    ids = torch.full((2, width), model.tokenizer.pad_token_id)
-    labels = torch.full((2, width), -100)
-    segments = torch.zeros(2, width, dtype=torch.long)
-    for row, (i, lab) in enumerate((a, b)):
-        ids[row, : len(i)], labels[row, : len(lab)], segments[row, : len(i)] = torch.tensor(i), torch.tensor(lab), 1
+    ids, labels, segments = _padded_batch(model, [a, b])
     unpacked = model(ids, pixels, labels=labels, segments=segments).loss
     packed_ids = torch.tensor([a[0] + b[0]])
     packed = model(
@@ -130,7 +136,7 @@ def test_packed_samples_give_the_loss_of_the_same_samples_unpacked(tmp_path, off
     torch.testing.assert_close(packed, unpacked, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "granite"])
 def test_the_loss_from_the_answers_logits_alone_is_transformers_loss_with_its_gradients(tmp_path, offline_data, arch):
     from peft import LoraConfig, get_peft_model
     from transformers.pytorch_utils import Conv1D
@@ -150,12 +156,7 @@ def test_the_loss_from_the_answers_logits_alone_is_transformers_loss_with_its_gr
     model.decoder = get_peft_model(model.decoder, lora)  # as the trainer wraps it; non-zero, so it counts
     torch.manual_seed(0)
     rows = [_sample(model, 2, "Which of these is a cat?", "the first"), _sample(model, 1, "Shown?", "a ship")]
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.full((2, width), model.tokenizer.pad_token_id)
-    labels = torch.full((2, width), -100)
-    segments = torch.zeros(2, width, dtype=torch.long)
-    for row, (i, lab) in enumerate(rows):  # the answers at other positions in each row
-        ids[row, : len(i)], labels[row, : len(lab)], segments[row, : len(i)] = torch.tensor(i), torch.tensor(lab), 1
+    ids, labels, segments = _padded_batch(model, rows)  # the answers at other positions in each row
     pixels = torch.rand(3, 3, 32, 32)
     names, trained = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
 
