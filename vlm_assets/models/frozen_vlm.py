@@ -165,11 +165,10 @@ class VisualChatBackbone(FrozenVLM):
             # The recomputed forward runs in the adapter trainer's backward, outside the attention
             # layout that the forward holds (visualchat_attention): it would attend differently.
             raise ValueError("gradient_checkpointing is not supported with a VisualChat backbone")
-        self.model = VisualChatModel.from_pretrained(directory).to(dtype)
-        self.model.requires_grad_(False)
-        self.model.eval()
+        self.model = VisualChatModel.from_pretrained(directory).eval()
         if isinstance(self.model.encoder, EfficientNetLite0Encoder):  # frozen and never saved from here
-            self.model.encoder.fold_batchnorm()
+            self.model.encoder.fold_batchnorm()  # in float32: the folded scales before any rounding
+        self.model.to(dtype).requires_grad_(False)
         self.max_length, self.dtype = max_length, dtype
         self.tokenizer = self.model.tokenizer
 

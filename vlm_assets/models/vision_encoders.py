@@ -104,12 +104,14 @@ class EfficientNetLite0Encoder(VisionEncoder):
 
         The same features, to float rounding, in fewer passes over the feature maps: BatchNorm over channels-last
         maps is a large share of the encoder's time on a CPU. The running statistics are gone, so a folded
-        encoder refuses ``save``.
+        encoder refuses ``save``; folding it again does nothing.
         """
         from torch.nn.utils.fusion import fuse_conv_bn_eval
 
         if self.training:
             raise ValueError("fold_batchnorm needs the encoder in eval mode (training BatchNorm uses batch statistics)")
+        if self.folded:
+            return
         pairs = [(self.net, "_conv_stem", "_bn0"), (self.net, "_conv_head", "_bn1")]
         for block in self.net._blocks:
             pairs += [(block, conv, bn) for conv, bn in _BLOCK_FOLDS if hasattr(block, conv)]

@@ -77,3 +77,39 @@ def test_each_step_reaches_two_pixels_further(steps):
     reach = 2 * steps
     assert int((rows - 10).abs().max()) == reach and int((cols - 10).abs().max()) == reach
     assert OcclusionAdapter(steps=steps).state_dict().keys() == OcclusionAdapter().state_dict().keys()
+
+
+def test_the_adapters_gradient_through_the_folded_visualchat_backbone_is_the_unfolded_models(tmp_path, offline_data):
+    """The backbone folds its EfficientNet's BatchNorm; the loss, and the gradient it sends back to the
+    adapter's parameters through the frozen model, are the unfolded model's to float rounding."""
+    from vlm_assets.data.visualchat_data import load_image
+    from vlm_assets.models.frozen_vlm import VisualChatBackbone
+    from vlm_assets.models.vision_encoders import load_encoder
+    from vlm_assets.models.visualchat import VisualChatModel, VisualChatModelConfig
+    from vlm_assets_tests.models.visualchat_fixtures import tiny_decoder
+
+    decoder = str(tiny_decoder(tmp_path / "llama", offline_data, init_std=0.2))
+    config = VisualChatModelConfig(encoder_kind="efficientnet_lite0", encoder=None, decoder=decoder)
+    VisualChatModel.build(config).save_pretrained(tmp_path / "visualchat")
+    folded = VisualChatBackbone(str(tmp_path / "visualchat"))
+    unfolded = VisualChatBackbone(str(tmp_path / "visualchat"))
+    unfolded.model.encoder = load_encoder("efficientnet_lite0", tmp_path / "visualchat" / "encoder")
+    unfolded.model.requires_grad_(False).eval()
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in folded.modules())
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in unfolded.modules())
+
+    images = sorted((offline_data / "cifar10-samples").glob("*.png"))[:2]
+    pixels = torch.stack([load_image(str(p), 224) for p in images])
+    mask = torch.zeros(2, 1, 224, 224)
+    mask[..., 64:160, 64:160] = 1
+    prompts, answers = ["What is shown?"] * 2, ["a cat", "a ship"]
+    losses, grads = [], []
+    for backbone in (folded, unfolded):
+        torch.manual_seed(0)
+        adapter = OcclusionAdapter()
+        loss = backbone.loss(adapter(pixels * (1 - mask), mask), prompts, answers)
+        losses.append(loss.detach())
+        grads.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(adapter.parameters()))]))
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
+    assert grads[1].abs().max() > 0 and not any(p.grad is not None for p in folded.parameters())
+    assert (grads[0] - grads[1]).abs().max() <= 1e-3 * grads[1].abs().max()

@@ -299,6 +299,9 @@ def test_a_folded_efficientnet_gives_the_same_features_and_refuses_to_save(tmp_p
         folded = encoder(pixels)
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in encoder.modules())
     assert unfolded.std() > 0.1 and (folded - unfolded).abs().max() <= 1e-4 * unfolded.abs().max()
+    encoder.fold_batchnorm()  # a second fold leaves it as it is
+    with torch.no_grad():
+        assert torch.equal(encoder(pixels), folded)
     with pytest.raises(ValueError, match="save the encoder before folding"):
         encoder.save(tmp_path / "encoder")
     assert not (tmp_path / "encoder" / "model.safetensors").exists()
