@@ -26,7 +26,12 @@ from vlm_assets.models.vision_encoders import EfficientNetLite0Encoder  # noqa: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=50, help="images per forward (eval_report's batch_size)")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=50,
+        help="images per forward (the demo eval_report encodes 3 x its batch_size, 3 x 50, per decode)",
+    )
     parser.add_argument("--image-size", type=int, default=224, help="input size, a multiple of 32 (demo: 128)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--write", action="store_true", help="write bench/results/encoder_<machine>_<date>.*")

@@ -40,7 +40,11 @@ class EvalReportConfig(AssetConfig):
     profile_key = "eval_report"
 
     num_samples: int | None = Field(default=None, ge=1, description="Validation images evaluated (unset = all).")
-    batch_size: int = Field(default=16, ge=1, description="Images per batched greedy decode.")
+    batch_size: int = Field(
+        default=16,
+        ge=1,
+        description="Images per batch; each is decoded three ways (adapter, identity, clean) in one greedy decode.",
+    )
     num_cards: int = Field(default=24, ge=0, description="Prediction cards in the HTML report.")
     checks: EvalChecksConfig = step_field(CHECKS_SECTION, default_factory=EvalChecksConfig)
 
