@@ -284,3 +284,15 @@ def test_a_decoder_or_backbone_of_the_users_own_is_read_instead_of_the_profiles_
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["gpt_checkpoint", None, "visualchat_model", None]
+
+
+def test_a_process_that_loaded_the_definitions_exits_with_its_objects_frozen_after_its_exit_handlers():
+    probe = (
+        "import atexit, gc\n"
+        "atexit.register(lambda: print('frozen after the handlers:', gc.get_freeze_count() > 1000))\n"
+        "import vlm_assets.definitions\n"
+        "atexit.register(lambda: print('frozen before them:', gc.get_freeze_count() > 0))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "frozen before them: False\nfrozen after the handlers: True\n"
