@@ -98,6 +98,12 @@ class EfficientNetLite0Encoder(VisionEncoder):
         # Only the feature extractor is used: the classifier head would be dead weight in every export.
         del self.net._fc
         self.folded = False
+        # The package pads the input of each "same" convolution into a copy (ZeroPad2d); where that padding
+        # is symmetric, the convolution's own zero padding gives the same output without the copy.
+        for conv in self.net.modules():
+            pad = getattr(conv, "static_padding", None)
+            if isinstance(pad, nn.ZeroPad2d) and pad.padding[0::2] == pad.padding[1::2]:
+                conv.padding, conv.static_padding = (pad.padding[2], pad.padding[0]), nn.Identity()
 
     def fold_batchnorm(self) -> None:
         """Fold every BatchNorm into the convolution before it; the encoder must be in eval mode (frozen, inference).

@@ -277,6 +277,17 @@ def test_efficientnet_lite0_gives_49_tokens_of_1280_from_pretrained_weights(offl
     assert (features - nchw).abs().max() <= 1e-4 * nchw.abs().max()
     # and its weights stay in the default layout: DeepSpeed broadcasts every parameter as a flat byte view
     assert all(p.is_contiguous() for p in encoder.parameters())
+    # the package's network with the same weights, each "same" padding a copy, gives the same features;
+    # the encoder pads in the convolution where the padding is symmetric (all but 5 strided ones)
+    from efficientnet_lite_pytorch import EfficientNet
+
+    packaged = EfficientNet.from_name("efficientnet-lite0")
+    packaged.load_state_dict(encoder.net.state_dict(), strict=False)  # all but the classifier, left out
+    with torch.no_grad():
+        theirs = packaged.eval().extract_features(encoder.normalize(pixels.contiguous())).flatten(2).transpose(1, 2)
+    assert (nchw - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+    pads = [sum(isinstance(m, torch.nn.ZeroPad2d) for m in net.modules()) for net in (packaged, encoder.net)]
+    assert pads == [17, 5]
 
 
 def test_a_folded_efficientnet_gives_the_same_features_and_refuses_to_save(tmp_path, offline_data):
