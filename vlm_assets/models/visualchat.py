@@ -40,22 +40,15 @@ def pixel_keys(pixels: torch.Tensor) -> list[bytes]:
     return [hashlib.blake2b(p.detach().float().cpu().numpy().tobytes(), digest_size=16).digest() for p in pixels]
 
 
-# Config fields by which a causal LM's forward does more than project its decoder's output: soft-capped
-# or scaled logits (Gemma 2/3, Cohere, Granite, Falcon-H1) or a router balance loss added to the loss
-# (mixture-of-experts decoders), each with the value at which it does nothing.
-_HEAD_EXTRAS = {
-    "final_logit_softcapping": None,
-    "logit_scale": 1.0,
-    "logits_scaling": 1.0,
-    "lm_head_multiplier": 1.0,
-    "output_router_logits": False,
-}
+# Causal LMs whose forward is their output embeddings over their decoder's output, and whose loss is the
+# cross-entropy of those logits alone (transformers 5's modeling code, read for each). Others may cap,
+# scale or cut their logits (Gemma 2/3, Cohere, Granite) or add a router loss (mixture-of-experts).
+PLAIN_HEAD_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "smollm3", "olmo2"})
 
 
 def plain_output_head(config) -> bool:
     """Whether a causal LM's loss is the cross-entropy of its output embeddings over its decoder's output."""
-    text = config.get_text_config()
-    return all(getattr(text, name, idle) in (idle, None) for name, idle in _HEAD_EXTRAS.items())
+    return config.get_text_config().model_type in PLAIN_HEAD_TYPES
 
 
 class VisualChatModel(nn.Module):
@@ -239,7 +232,8 @@ class VisualChatModel(nn.Module):
     ):
         """Return the decoder output.
 
-        With ``labels``: ``.loss`` (mean over the unmasked answer tokens) and ``.logits`` (N, vocab) at the N
+        With ``labels``: ``.loss`` (mean over the unmasked answer tokens; a decoder outside ``PLAIN_HEAD_TYPES``
+        gives its own loss, which may add to that, e.g. a router loss) and ``.logits`` (N, vocab) at the N
         tokens that a label follows only, in row-major order. ``segments`` (B, T): packed-sample ids, 0 = padding
         (default: one sample per row, no padding); ``position_ids`` restart per segment (default: 0..T-1).
         """

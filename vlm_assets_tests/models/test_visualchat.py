@@ -7,7 +7,7 @@ import torch
 
 from vlm_assets.data.tokens import positions_from_segments
 from vlm_assets.models.hf_compat import set_activation_checkpointing
-from vlm_assets.models.visualchat import VisualChatModel, VisualChatModelConfig
+from vlm_assets.models.visualchat import VisualChatModel, VisualChatModelConfig, plain_output_head
 from vlm_assets.models.visualchat_attention import Layout, visualchat_attention
 from vlm_assets_tests.models.visualchat_fixtures import tiny_clip, tiny_decoder
 
@@ -160,6 +160,7 @@ def test_the_loss_from_the_answers_logits_alone_is_transformers_loss_with_its_gr
     pixels = torch.rand(3, 3, 32, 32)
     names, trained = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
 
+    assert plain_output_head(model.decoder.config) is (arch != "granite")  # granite: through its own forward
     ours = model(ids, pixels, labels=labels, segments=segments)
     with attention_layout(model.layout(ids, segments)):  # transformers' loss: every position's logits
         embeds = model.embed(ids, pixels)
@@ -172,6 +173,23 @@ def test_the_loss_from_the_answers_logits_alone_is_transformers_loss_with_its_gr
         assert (a is None) == (b is None), name
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "config, settings, plain",
+    [
+        ("LlamaConfig", {}, True),
+        ("Qwen2Config", {}, True),
+        ("Gemma2Config", {}, False),  # soft-capped logits
+        ("CohereConfig", {}, False),  # scaled logits
+        ("GraniteConfig", {}, False),  # scaled logits
+        ("MixtralConfig", {"output_router_logits": True}, False),  # a router loss added
+    ],
+)
+def test_only_decoders_whose_logits_are_the_bare_projection_take_the_answers_only_loss(config, settings, plain):
+    import transformers
+
+    assert plain_output_head(getattr(transformers, config)(**settings)) is plain
 
 
 def test_image_features_land_at_the_image_tokens(clip_model):
@@ -282,7 +300,8 @@ def test_efficientnet_lite0_gives_49_tokens_of_1280_from_pretrained_weights(offl
     from efficientnet_lite_pytorch import EfficientNet
 
     packaged = EfficientNet.from_name("efficientnet-lite0")
-    packaged.load_state_dict(encoder.net.state_dict(), strict=False)  # all but the classifier, left out
+    missing = packaged.load_state_dict(encoder.net.state_dict(), strict=False).missing_keys
+    assert missing == ["_fc.weight", "_fc.bias"]  # the classifier, which the encoder leaves out
     with torch.no_grad():
         theirs = packaged.eval().extract_features(encoder.normalize(pixels.contiguous())).flatten(2).transpose(1, 2)
     assert (nchw - theirs).abs().max() <= 1e-5 * theirs.abs().max()
