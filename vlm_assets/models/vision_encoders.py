@@ -114,10 +114,10 @@ class EfficientNetLite0Encoder(VisionEncoder):
         """
         from torch.nn.utils.fusion import fuse_conv_bn_eval
 
-        if self.training:
-            raise ValueError("fold_batchnorm needs the encoder in eval mode (training BatchNorm uses batch statistics)")
         if self.folded:
             return
+        if self.training:
+            raise ValueError("fold_batchnorm needs the encoder in eval mode (training BatchNorm uses batch statistics)")
         pairs = [(self.net, "_conv_stem", "_bn0"), (self.net, "_conv_head", "_bn1")]
         for block in self.net._blocks:
             pairs += [(block, conv, bn) for conv, bn in _BLOCK_FOLDS if hasattr(block, conv)]
