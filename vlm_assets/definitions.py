@@ -10,8 +10,9 @@ from vlm_assets.defs.platform.profiles import check_profile_claimed
 
 # A Dagster process that loaded these definitions (the CLI, a run worker, the code server) ends
 # holding torch, transformers and MLflow: the interpreter's last garbage collections would walk all of
-# their objects (1-3 s of a core) only to free memory the exit frees anyway, and Python has no switch
-# to skip them. Frozen objects are left out of them; exit handlers registered later run before this one.
+# their objects (1-3 s of a core), for memory the exit frees anyway and for the finalizers of objects
+# left in reference cycles, which nothing here relies on; Python has no switch to skip them. Frozen
+# objects are left out of them; exit handlers registered later run before this one.
 atexit.register(gc.freeze)
 
 

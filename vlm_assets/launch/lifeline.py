@@ -13,12 +13,16 @@ kills the workers. A worker killed mid-commit leaves nothing visible: store comm
 (``vlm_assets.storage``). The launcher's own cleanup (``stop_process_trees``) still handles the
 ordinary endings (failure, timeout, SIGTERM/SIGINT, a run terminated from the UI).
 
+A ``--module`` process skips the interpreter's last garbage collections at its exit (``gc.freeze``);
+its exit handlers run as usual.
+
 The signal follows the *thread* that forked the child: the launcher starts agents from the step's
 thread, which waits on them until they end, and torchrun starts workers from its main thread.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 import os
@@ -69,13 +73,12 @@ def main(argv: list[str]) -> None:
         os.environ.pop(PARENT_ENV, None)
         os.execv(sys.executable, [sys.executable, *argv[1:]])  # the death signal survives execve
     module, sys.argv = argv[1], [argv[1], *argv[2:]]
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    finally:
-        # The interpreter's last collections walk every object the worker's imports made (torch,
-        # Lightning, transformers: about 2 s of one core here) only to free memory the process's exit
-        # frees anyway; frozen objects are left out of them. Exit handlers and stream flushes still run.
-        gc.freeze()
+    # The interpreter's last garbage collections walk every object the worker's imports made (torch,
+    # Lightning, transformers: about 2 s of one core here), for memory the exit frees anyway and for the
+    # finalizers of objects left in reference cycles, which nothing a trainer runs relies on. Frozen
+    # objects are left out of them; as the first exit handler this runs after the module's own.
+    atexit.register(gc.freeze)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":
