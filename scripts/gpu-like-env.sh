@@ -10,6 +10,10 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dir="${1:-${VLM_ASSETS_CACHE:-$HOME/.cache/vlm_assets}/gpu-like-env}"
 python3="${PYTHON3:-python3}"
+# One build at a time: scripts/test.sh starts one in the background, and the rehearsal's test waits for it.
+mkdir -p "$(dirname "$dir")"
+exec 9>"$dir.lock"
+flock 9
 stack="$("$python3" "$repo/scripts/gpu_kit.py" --stack)"
 stamp="$dir/.ready-$( (echo "$stack"; "$python3" "$repo/scripts/gpu_kit.py" --carried; cat "$0") | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then

@@ -15,6 +15,9 @@ mkdir -p "$(dirname "$testbed_lock")"
    > "${testbed_lock%.lock}.log" 2>&1 || true) &
 VLM_ASSETS_OP_BUILD=background source "$repo/scripts/bootstrap.sh"
 cd "$repo"
+# Likewise the GPU kit rehearsal's environment (scripts/gpu-like-env.sh: minutes of downloads and installs
+# on a fresh machine, once): its test runs late in the suite and waits on the script's own lock.
+(nice -n 19 "$repo/scripts/gpu-like-env.sh" > "$VLM_ASSETS_CACHE/gpu-like-env.log" 2>&1 || true) &
 # Lint, format and the layer contracts (pyproject.toml) first: a seconds-long failure, not an hour's.
 layers="$(lint-imports --no-logo --no-cache 2>&1)" || { echo "$layers" >&2; echo "a layer contract is broken (pyproject.toml)" >&2; exit 1; }
 ruff check --quiet . && ruff format --check --quiet . \
