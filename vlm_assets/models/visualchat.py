@@ -15,7 +15,6 @@ Saved layout (``save_pretrained``), loadable with transformers + safetensors alo
     decoder/               the (merged) decoder and its tokenizer, ``<image>`` included
 """
 
-import copy
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -197,25 +196,10 @@ class VisualChatModel(nn.Module):
             self.add_cached_features(list(missing), self.encode_frozen(pixels[list(missing.values())]))
         return self.projection(torch.stack([cache[key] for key in keys]))
 
-    def cache_encoder(self, partitioned: bool = False) -> nn.Module:
-        """The encoder to fill the feature cache with: a BatchNorm-folded copy where the encoder folds, else itself.
-
-        The copy gives the same features, to float rounding, in fewer passes over the feature maps, and the
-        model's own encoder stays unfolded (a folded one cannot be saved). ``partitioned``: each rank holds
-        a shard of every parameter (ZeRO-3), which a copy could not run alone.
-        """
-        if partitioned or not hasattr(self.encoder, "fold_batchnorm"):
-            return self.encoder
-        folded = copy.deepcopy(self.encoder).eval()
-        folded.fold_batchnorm()
-        return folded
-
     @torch.no_grad()
-    def encode_frozen(self, pixels: torch.Tensor, encoder: nn.Module | None = None) -> torch.Tensor:
-        """(N, 3, S, S) pixels in [0, 1] -> the frozen encoder's (N, encoder tokens, encoder width) features
-        (through ``encoder``, ``cache_encoder``'s, when given)."""
-        encoder = self.encoder if encoder is None else encoder
-        return encoder(pixels.to(self.encoder.mean.dtype))
+    def encode_frozen(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(N, 3, S, S) pixels in [0, 1] -> the frozen encoder's (N, encoder tokens, encoder width) features."""
+        return self.encoder(pixels.to(self.encoder.mean.dtype))
 
     def add_cached_features(self, keys: list[bytes], features: torch.Tensor) -> None:
         """Cache ``features`` (``encode_frozen``'s) under their images' ``pixel_keys``."""

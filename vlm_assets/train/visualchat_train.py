@@ -227,12 +227,11 @@ class VisualChatModule(L.LightningModule):
         share = self.feature_images[rank::world] or self.feature_images[-1:]
         share += share[-1:] * (per_rank - len(share))
         keys, features = [], []
-        encoder = self.model.cache_encoder(partitioned=self.config.parallelism.zero_stage == 3)
         for at in range(0, per_rank, FEATURE_BATCH):
             pixels = torch.stack([vd.load_image(ref, size) for ref in share[at : at + FEATURE_BATCH]])
             pixels = pixels.to(self.device, self.model.encoder.mean.dtype)
             keys += pixel_keys(pixels)
-            features.append(self.model.encode_frozen(pixels, encoder))
+            features.append(self.model.encode_frozen(pixels))
         encoded = torch.cat(features)
         digests = torch.tensor([list(key) for key in keys], dtype=torch.uint8, device=self.device)
         encodes = len(keys)
