@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import math
 import queue
 import re
 import threading
@@ -538,8 +539,14 @@ def _failure(
 ) -> tuple[int, str, int | None, str | None] | None:
     """``(node, reason, exit code, cause)`` of the first pod that makes the launch fail, if any: the
     cause as ``retry.RULES`` names it when the pod's status tells it, else None (the exit codes and
-    last lines tell)."""
+    last lines tell).
+
+    Of several pods whose containers failed, the one that ended first: its peers' workers fail after it,
+    when a collective meets its absence. The API's times have one-second resolution, so within a second a
+    container ended by a signal (killed, as by the OOM killer) is taken for the cause before the others.
+    """
     settings = launch.settings
+    failed = []  # (finished_at, not signalled, node, reason, exit code) of each pod whose container failed
     for index in range(launch.spec.num_nodes):
         pod = pods.by_index.get(index)
         name = launch.pod_name(index) if settings.mode == "pods" else f"{launch.name} index {index}"
@@ -563,7 +570,11 @@ def _failure(
                 cause = "timeout" if status.reason == "DeadlineExceeded" else "evicted"
                 return index, f"pod {name} failed: {status.reason}: {status.message or ''}".rstrip(": "), code, cause
             why = f" ({terminated.reason})" if terminated is not None and terminated.reason else ""
-            return index, f"pod {name} failed: container exit code {code}{why}", code, None
+            finished = terminated.finished_at if terminated is not None else None
+            ended = finished.timestamp() if finished is not None else math.inf
+            signalled = code is not None and (code < 0 or code > 128)
+            failed.append((ended, not signalled, index, f"pod {name} failed: container exit code {code}{why}", code))
+            continue
         if status.phase == "Pending" and time.monotonic() - started > settings.pending_timeout_s:
             return (
                 index,
@@ -571,6 +582,9 @@ def _failure(
                 None,
                 "unschedulable",
             )
+    if failed:
+        _, _, index, reason, code = min(failed)
+        return index, reason, code, None
     return None
 
 

@@ -263,3 +263,47 @@ def test_objects_of_runs_that_are_not_live_are_deleted_at_the_next_start(k8s_tes
     ]
     assert delete_orphans(core, batch, namespace, run_is_live=lambda run_id: False)
     assert not core.list_namespaced_pod(namespace).items
+
+
+def test_of_pods_failed_within_a_second_the_one_killed_is_named():
+    """Pod 1's worker is killed; pod 0's fails on the broken collective in the same second (the API's
+    resolution). The launch names pod 1 whichever order the pods are listed in, and an earlier end
+    wins over a signal."""
+    import datetime as dt
+
+    from kubernetes import client as k8s
+
+    from vlm_assets.launch.k8s import _failure, _Pods
+
+    launch = Launch(LaunchSpec("m", (), num_nodes=2, name="gpt_checkpoint"), PodSettings(namespace="t"), launch_id="ab")
+    second = dt.datetime(2026, 11, 28, 15, 0, 0, tzinfo=dt.UTC)
+
+    def failed(index: int, code: int, at: dt.datetime):
+        ended = k8s.V1ContainerStateTerminated(exit_code=code, finished_at=at, reason="Error")
+        status = k8s.V1PodStatus(
+            phase="Failed",
+            container_statuses=[
+                k8s.V1ContainerStatus(
+                    name="trainer",
+                    image="i",
+                    image_id="",
+                    ready=False,
+                    restart_count=0,
+                    state=k8s.V1ContainerState(terminated=ended),
+                )
+            ],
+        )
+        labels = {"vlm-assets/node-index": str(index)}
+        return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=f"gpt-checkpoint-ab-{index}", labels=labels), status=status)
+
+    pods = _Pods(launch)
+    for listed in ([failed(0, 1, second), failed(1, -9, second)], [failed(1, -9, second), failed(0, 1, second)]):
+        pods.update(listed)
+        assert _failure(launch, pods, {0, 1}, time.monotonic()) == (
+            1,
+            "pod gpt-checkpoint-ab-1 failed: container exit code -9 (Error)",
+            -9,
+            None,
+        )
+    pods.update([failed(0, 1, second), failed(1, -9, second + dt.timedelta(seconds=1))])
+    assert _failure(launch, pods, {0, 1}, time.monotonic())[0] == 0
