@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vlm_assets.launch.lifeline import worker_entry
 from vlm_assets.launch.local import _TAIL_LINES, LaunchFailed, _worker_exit_code
+from vlm_assets.launch.retry import KILLED_EXIT_CODES
 from vlm_assets.launch.spec import QUANTITY, LaunchSpec
 
 MANAGED_BY = "vlm-assets"
@@ -543,10 +544,10 @@ def _failure(
 
     Of several pods whose containers failed, the one that ended first: its peers' workers fail after it,
     when a collective meets its absence. The API's times have one-second resolution, so within a second a
-    container ended by a signal (killed, as by the OOM killer) is taken for the cause before the others.
+    container killed (SIGKILL or SIGTERM, as by the OOM killer) is taken for the cause before the others.
     """
     settings = launch.settings
-    failed = []  # (finished_at, not signalled, node, reason, exit code) of each pod whose container failed
+    failed = []  # (finished_at, not killed, node, reason, exit code) of each pod whose container failed
     for index in range(launch.spec.num_nodes):
         pod = pods.by_index.get(index)
         name = launch.pod_name(index) if settings.mode == "pods" else f"{launch.name} index {index}"
@@ -572,8 +573,8 @@ def _failure(
             why = f" ({terminated.reason})" if terminated is not None and terminated.reason else ""
             finished = terminated.finished_at if terminated is not None else None
             ended = finished.timestamp() if finished is not None else math.inf
-            signalled = code is not None and (code < 0 or code > 128)
-            failed.append((ended, not signalled, index, f"pod {name} failed: container exit code {code}{why}", code))
+            reason = f"pod {name} failed: container exit code {code}{why}"
+            failed.append((ended, code not in KILLED_EXIT_CODES, index, reason, code))
             continue
         if status.phase == "Pending" and time.monotonic() - started > settings.pending_timeout_s:
             return (

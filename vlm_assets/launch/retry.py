@@ -56,7 +56,8 @@ RULES = {
     )
 }
 
-_SIGNALS = {-9, -15, 128 + 9, 128 + 15}
+# Exit codes of a process ended by SIGKILL or SIGTERM: negative from Python's view, 128 + N from a shell's.
+KILLED_EXIT_CODES = {-9, -15, 128 + 9, 128 + 15}
 # The last lines name the error: torchrun's own, the storage clients', the collective backends'. A broken
 # collective comes last: it is what a rank's peers see when that rank fails for any of the other causes,
 # and on a node of several processes their tracebacks sit beside the failing rank's own.
@@ -92,7 +93,7 @@ def rule_for(*, cause: str | None, exit_code: int | None, worker_exit_code: int 
         return RULES[cause]
     if worker_exit_code == BAD_INPUT_EXIT:
         return RULES["bad_input"]
-    if worker_exit_code in _SIGNALS or exit_code in _SIGNALS:
+    if worker_exit_code in KILLED_EXIT_CODES or exit_code in KILLED_EXIT_CODES:
         return RULES["killed"]
     text = "\n".join(tail)
     for name, pattern in _PATTERNS:
