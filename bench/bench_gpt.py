@@ -91,7 +91,7 @@ def bare_loop(model, batch, steps, warmup, bf16) -> dict:
             torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
         with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=bf16):
-            _, loss = model(batch, batch)
+            _, loss = model(batch, batch, return_logits=False)  # as the trainer's steps
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

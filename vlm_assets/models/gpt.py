@@ -17,6 +17,7 @@ from vlm_assets.data.tokens import IGNORE_INDEX
 
 # Shapes live apart from the model so configs can name presets without importing torch.
 from vlm_assets.models.gpt_presets import PRESETS, GPTConfig, preset  # noqa: E402,F401
+from vlm_assets.models.linear_cross_entropy import linear_cross_entropy
 
 
 class CausalSelfAttention(nn.Module):
@@ -106,11 +107,12 @@ class GPT(nn.Module):
         """Return the number of parameters (the tied head counted once)."""
         return sum(p.numel() for p in self.parameters())  # the tied head is counted once
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, return_logits: bool = True):
         """Return the logits over the real vocabulary (padding rows sliced off), and the loss or None.
 
         With ``labels``, the loss is the mean next-token cross-entropy (labels shifted left by one here; ``-100``
-        positions ignored).
+        positions ignored). ``return_logits=False`` returns None for the logits: on a CPU the loss is then
+        computed chunk by chunk without them (``linear_cross_entropy``), the same loss and gradients.
         """
         seq = input_ids.shape[1]
         if seq > self.config.block_size:
@@ -119,11 +121,15 @@ class GPT(nn.Module):
         x = self.drop(self.wte(input_ids) + self.wpe(positions))
         for block in self.blocks:
             x = block(x)
-        padded_logits = F.linear(self.ln_f(x), self.lm_head.weight, self.logit_bias.to(x.dtype))
-        logits = padded_logits[..., : self.config.vocab_size]
-        if labels is None:
-            return logits, None
+        x = self.ln_f(x)
         # Position t predicts token t+1: shift the labels, not the logits (which would copy them).
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        loss = F.cross_entropy(padded_logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+        targets = None if labels is None else F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).flatten()
+        if targets is not None and not return_logits and x.device.type == "cpu":
+            # On a GPU the logits fit and cuBLAS with the fused cross-entropy kernel beat a loop of chunks.
+            return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, self.logit_bias, targets)
+        padded_logits = F.linear(x, self.lm_head.weight, self.logit_bias.to(x.dtype))
+        logits = padded_logits[..., : self.config.vocab_size] if return_logits else None
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(padded_logits.flatten(0, 1).float(), targets, ignore_index=IGNORE_INDEX)
         return logits, loss

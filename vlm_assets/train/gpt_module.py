@@ -62,19 +62,19 @@ class GPTPretrainModule(L.LightningModule):
         if self.config.parallelism.strategy == "fsdp2":
             apply_fsdp2(self.model, self.device_mesh["data_parallel"], bf16=self.trainer.precision == "bf16-mixed")
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        """Return the model's logits and loss (None without ``labels``)."""
-        return self.model(input_ids, labels)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, return_logits: bool = True):
+        """Return the model's logits (None unless ``return_logits``) and loss (None without ``labels``)."""
+        return self.model(input_ids, labels, return_logits=return_logits)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Return a micro-batch's loss, kept for the optimizer step's mean."""
-        _, loss = self(batch["input_ids"], batch["labels"])
+        _, loss = self(batch["input_ids"], batch["labels"], return_logits=False)
         self.step_losses.append(loss.detach().float().item())  # logged per optimizer step: TrainingHistory
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Log a validation batch's loss, averaged over ranks."""
-        _, loss = self(batch["input_ids"], batch["labels"])
+        _, loss = self(batch["input_ids"], batch["labels"], return_logits=False)
         self.log("val/loss", loss, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:

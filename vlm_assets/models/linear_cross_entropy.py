@@ -1,0 +1,86 @@
+"""Cross-entropy of a linear head, computed over row chunks so that the (tokens x vocabulary) logits never exist.
+
+On a CPU the logits of a 50k vocabulary are the step's largest tensors: allocating, faulting in and
+passing over them several times (log-softmax forward, its backward, the head's two gradient matmuls)
+costs more than the head's arithmetic. Here each chunk of rows gets its logits, their log-sum-exp, and,
+when a gradient is wanted, its softmax-minus-one-hot turned at once into the chunk's gradients of the
+hidden states and the head's weight; the chunk's buffer is then reused. The loss and gradients are those
+of ``F.cross_entropy(F.linear(hidden, weight, bias), targets, ignore_index=...)`` (mean over the rows
+whose target is not ``ignore_index``). Liger-Kernel's and Cut Cross-Entropy's fused versions are Triton
+kernels (GPU only) and torch has none, hence this one for the CPU path.
+"""
+
+import torch
+
+CHUNK_ELEMENTS = 1 << 24  # logits per chunk (64 MiB in float32): large matmuls, a buffer that is reused
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """Return the mean cross-entropy of ``hidden @ weight.T + bias`` (N, V) against ``targets`` (N,), in float32.
+
+    Rows whose target is ``ignore_index`` count for nothing; with none left the loss is NaN, as torch's is.
+    Gradients flow to ``hidden`` and ``weight`` (``bias`` is taken as a constant, e.g. a padding mask).
+    """
+    if hidden.ndim != 2 or targets.shape != hidden.shape[:1] or weight.ndim != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"expected hidden (N, D), weight (V, D) and targets (N,), got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)} and {tuple(targets.shape)}"
+        )
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, rows)
+    with torch.no_grad():
+        return _loss_and_grads(hidden, weight, bias, targets, ignore_index, rows, grads=False)[0]
+
+
+def _loss_and_grads(hidden, weight, bias, targets, ignore_index, rows, grads):
+    """Return (mean loss, d loss / d hidden, d loss / d weight); the gradients are None unless ``grads``."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        h, w = hidden.float(), weight.float()
+        b = None if bias is None else bias.float()
+        valid = targets != ignore_index
+        count = valid.sum()
+        safe = targets.masked_fill(~valid, 0)
+        total = h.new_zeros(())
+        grad_h = torch.empty_like(h) if grads else None
+        grad_w = torch.zeros_like(w) if grads else None
+        for start in range(0, h.shape[0], rows):
+            hc, tc, vc = h[start : start + rows], safe[start : start + rows], valid[start : start + rows]
+            logits = hc @ w.T if b is None else torch.addmm(b, hc, w.T)
+            lse = torch.logsumexp(logits, dim=1)
+            picked = logits.gather(1, tc[:, None])[:, 0]
+            total += ((lse - picked) * vc).sum()
+            if grads:
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' buffer
+                probs[torch.arange(len(tc)), tc] -= 1.0  # minus the one-hot target
+                if not vc.all():
+                    probs[~vc] = 0.0
+                torch.matmul(probs, w, out=grad_h[start : start + rows])
+                grad_w.addmm_(probs.T, hc)
+        loss = total / count  # NaN when every target is ignored, as F.cross_entropy's mean
+        if grads:
+            grad_h.div_(count)
+            grad_w.div_(count)
+    return loss, grad_h, grad_w
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The loss with its input gradients computed in the forward pass, chunk by chunk, and scaled in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, rows):
+        loss, grad_h, grad_w = _loss_and_grads(hidden, weight, bias, targets, ignore_index, rows, grads=True)
+        ctx.save_for_backward(grad_h.to(hidden.dtype), grad_w.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None
