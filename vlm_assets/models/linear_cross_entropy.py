@@ -37,11 +37,11 @@ def linear_cross_entropy(
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, rows)
     with torch.no_grad():
-        return _loss_and_grads(hidden, weight, bias, targets, ignore_index, rows, grads=False)[0]
+        return _loss_and_grads(hidden, weight, bias, targets, ignore_index, rows)[0]
 
 
-def _loss_and_grads(hidden, weight, bias, targets, ignore_index, rows, grads):
-    """Return (mean loss, d loss / d hidden, d loss / d weight); the gradients are None unless ``grads``."""
+def _loss_and_grads(hidden, weight, bias, targets, ignore_index, rows, grads=(False, False)):
+    """Return (mean loss, d loss / d hidden, d loss / d weight); each gradient is None unless ``grads`` asks for it."""
     with torch.autocast(hidden.device.type, enabled=False):
         h, w = hidden.float(), weight.float()
         b = None if bias is None else bias.float()
@@ -49,25 +49,27 @@ def _loss_and_grads(hidden, weight, bias, targets, ignore_index, rows, grads):
         count = valid.sum()
         safe = targets.masked_fill(~valid, 0)
         total = h.new_zeros(())
-        grad_h = torch.empty_like(h) if grads else None
-        grad_w = torch.zeros_like(w) if grads else None
+        grad_h = torch.empty_like(h) if grads[0] else None
+        grad_w = torch.zeros_like(w) if grads[1] else None
         for start in range(0, h.shape[0], rows):
             hc, tc, vc = h[start : start + rows], safe[start : start + rows], valid[start : start + rows]
             logits = hc @ w.T if b is None else torch.addmm(b, hc, w.T)
             lse = torch.logsumexp(logits, dim=1)
             picked = logits.gather(1, tc[:, None])[:, 0]
             total += ((lse - picked) * vc).sum()
-            if grads:
+            if any(grads):
                 probs = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' buffer
                 probs[torch.arange(len(tc)), tc] -= 1.0  # minus the one-hot target
                 if not vc.all():
                     probs[~vc] = 0.0
-                torch.matmul(probs, w, out=grad_h[start : start + rows])
-                grad_w.addmm_(probs.T, hc)
+                if grad_h is not None:
+                    torch.matmul(probs, w, out=grad_h[start : start + rows])
+                if grad_w is not None:
+                    grad_w.addmm_(probs.T, hc)
         loss = total / count  # NaN when every target is ignored, as F.cross_entropy's mean
-        if grads:
-            grad_h.div_(count)
-            grad_w.div_(count)
+        for grad in (grad_h, grad_w):
+            if grad is not None:
+                grad.div_(count)
     return loss, grad_h, grad_w
 
 
@@ -76,11 +78,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, ignore_index, rows):
-        loss, grad_h, grad_w = _loss_and_grads(hidden, weight, bias, targets, ignore_index, rows, grads=True)
-        ctx.save_for_backward(grad_h.to(hidden.dtype), grad_w.to(weight.dtype))
+        grads = tuple(ctx.needs_input_grad[:2])  # a frozen head (LoRA) wants no weight gradient
+        loss, grad_h, grad_w = _loss_and_grads(hidden, weight, bias, targets, ignore_index, rows, grads)
+        ctx.save_for_backward(
+            None if grad_h is None else grad_h.to(hidden.dtype), None if grad_w is None else grad_w.to(weight.dtype)
+        )
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None
+        scaled = [None if g is None else g * grad_loss for g in ctx.saved_tensors]
+        return *scaled, None, None, None, None

@@ -250,7 +250,7 @@ class VisualChatModule(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         """Return the batch's loss; keep its mean over ranks for the history and count its tokens."""
-        loss = self.model(**batch).loss
+        loss = self.model(**batch, return_logits=False).loss
         self.step_losses.append(float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")))  # the history
         self.tokens += int((batch["segments"] > 0).sum())
         return loss
@@ -386,7 +386,7 @@ def evaluate(model: VisualChatModel, samples: list[vd.Sample], device: torch.dev
     for at in range(0, len(samples), EVAL_BATCH):
         batch = move_data_to_device(vd.collate([[s] for s in samples[at : at + EVAL_BATCH]], pad, size), device)
         tokens = int((batch["labels"][:, 1:] != vd.IGNORE_INDEX).sum())
-        total += float(model(**batch).loss) * tokens
+        total += float(model(**batch, return_logits=False).loss) * tokens
         count += tokens
     for module, mode in modes:
         module.training = mode

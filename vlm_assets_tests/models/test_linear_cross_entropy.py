@@ -79,3 +79,14 @@ def test_the_gpt_without_logits_trains_on_real_tokens_as_with_them(offline_data)
     torch.testing.assert_close(loss, expected)
     for (name, a), b in zip(with_logits.named_parameters(), without.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
+def test_a_frozen_head_gets_no_gradient_and_the_hidden_states_theirs():
+    hidden, weight, bias, targets = head_inputs()
+    frozen = weight.detach()
+    F.cross_entropy(F.linear(hidden, frozen, bias), targets, ignore_index=-100).backward()
+    expected = hidden.grad.clone()
+    hidden.grad = None
+    linear_cross_entropy(hidden, frozen, bias, targets, chunk_rows=8).backward()
+    torch.testing.assert_close(hidden.grad, expected)
+    assert frozen.grad is None

@@ -136,8 +136,11 @@ def test_packed_samples_give_the_loss_of_the_same_samples_unpacked(tmp_path, off
     torch.testing.assert_close(packed, unpacked, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("return_logits", [True, False])  # False: the chunked loss, no logits (a plain head)
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "granite"])
-def test_the_loss_from_the_answers_logits_alone_is_transformers_loss_with_its_gradients(tmp_path, offline_data, arch):
+def test_the_loss_from_the_answers_logits_alone_is_transformers_loss_with_its_gradients(
+    tmp_path, offline_data, arch, return_logits
+):
     from peft import LoraConfig, get_peft_model
     from transformers.pytorch_utils import Conv1D
 
@@ -161,11 +164,14 @@ def test_the_loss_from_the_answers_logits_alone_is_transformers_loss_with_its_gr
     names, trained = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
 
     assert plain_output_head(model.decoder.config) is (arch != "granite")  # granite: through its own forward
-    ours = model(ids, pixels, labels=labels, segments=segments)
+    ours = model(ids, pixels, labels=labels, segments=segments, return_logits=return_logits)
     with attention_layout(model.layout(ids, segments)):  # transformers' loss: every position's logits
         embeds = model.embed(ids, pixels)
         theirs = model.decoder(inputs_embeds=embeds, position_ids=positions_from_segments(segments), labels=labels)
-    assert ours.logits.shape == ((labels[:, 1:] != -100).sum(), len(model.tokenizer))
+    if return_logits:
+        assert ours.logits.shape == ((labels[:, 1:] != -100).sum(), len(model.tokenizer))
+    else:
+        assert ours.logits is None
     torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-5, atol=1e-6)
     mine = torch.autograd.grad(ours.loss, trained, allow_unused=True)
     reference = torch.autograd.grad(theirs.loss, trained, allow_unused=True)
