@@ -59,7 +59,7 @@ class SeedGPT(GPT):
         super().__init__(dataclasses.replace(config, pad_vocab_to=1))
         self.blocks = nn.ModuleList(SeedBlock(self.config) for _ in range(config.n_layer))
 
-    def forward(self, input_ids, labels):
+    def forward(self, input_ids, labels, return_logits=True):  # the seed's head always builds the logits
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.wte(input_ids) + self.wpe(positions)
         for block in self.blocks:
