@@ -17,7 +17,7 @@ from vlm_assets.data.tokens import IGNORE_INDEX
 
 # Shapes live apart from the model so configs can name presets without importing torch.
 from vlm_assets.models.gpt_presets import PRESETS, GPTConfig, preset  # noqa: E402,F401
-from vlm_assets.models.linear_cross_entropy import linear_cross_entropy
+from vlm_assets.models.linear_cross_entropy import head_loss
 
 
 class CausalSelfAttention(nn.Module):
@@ -112,7 +112,7 @@ class GPT(nn.Module):
 
         With ``labels``, the loss is the mean next-token cross-entropy (labels shifted left by one here; ``-100``
         positions ignored). ``return_logits=False`` returns None for the logits: on a CPU the loss is then
-        computed chunk by chunk without them (``linear_cross_entropy``), the same loss and gradients.
+        computed chunk by chunk without them (``head_loss``), the same loss and gradients.
         """
         seq = input_ids.shape[1]
         if seq > self.config.block_size:
@@ -124,12 +124,10 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         # Position t predicts token t+1: shift the labels, not the logits (which would copy them).
         targets = None if labels is None else F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).flatten()
-        if targets is not None and not return_logits and x.device.type == "cpu":
-            # On a GPU the logits fit and cuBLAS with the fused cross-entropy kernel beat a loop of chunks.
-            return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, self.logit_bias, targets)
-        padded_logits = F.linear(x, self.lm_head.weight, self.logit_bias.to(x.dtype))
-        logits = padded_logits[..., : self.config.vocab_size] if return_logits else None
+        vocab, bias = self.config.vocab_size, self.logit_bias.to(x.dtype)
         if targets is None:
-            return logits, None
-        loss = F.cross_entropy(padded_logits.flatten(0, 1).float(), targets, ignore_index=IGNORE_INDEX)
-        return logits, loss
+            return F.linear(x, self.lm_head.weight, bias)[..., :vocab], None
+        logits, loss = head_loss(
+            x.flatten(0, 1), self.lm_head.weight, bias, targets, return_logits, ignore_index=IGNORE_INDEX
+        )
+        return (logits.unflatten(0, x.shape[:2])[..., :vocab] if return_logits else None), loss

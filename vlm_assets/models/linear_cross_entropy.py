@@ -10,7 +10,10 @@ whose target is not ``ignore_index``). Liger-Kernel's and Cut Cross-Entropy's fu
 kernels (GPU only) and torch has none, hence this one for the CPU path.
 """
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 CHUNK_ELEMENTS = 1 << 24  # logits per chunk (64 MiB in float32): large matmuls, a buffer that is reused
 
@@ -38,6 +41,29 @@ def linear_cross_entropy(
         return _LinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, rows)
     with torch.no_grad():
         return _loss_and_grads(hidden, weight, bias, targets, ignore_index, rows)[0]
+
+
+def head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    want_logits: bool,
+    project: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Return (logits or None, mean cross-entropy) of the linear head ``weight``/``bias`` over ``hidden`` (N, D).
+
+    Without ``want_logits`` on a CPU the loss comes from ``linear_cross_entropy`` and the logits are None;
+    otherwise the logits are ``project(hidden)`` (default ``F.linear(hidden, weight, bias)``; a head module
+    passes itself) and the loss their ``F.cross_entropy`` in float32.
+    """
+    # On a GPU the logits fit and cuBLAS with the fused cross-entropy kernel beat a loop of chunks; under
+    # DeepSpeed ZeRO-3 (``ds_id``) the weight is whole only inside the head module's own forward.
+    if not want_logits and hidden.device.type == "cpu" and not hasattr(weight, "ds_id"):
+        return None, linear_cross_entropy(hidden, weight, bias, targets, ignore_index)
+    logits = project(hidden) if project is not None else F.linear(hidden, weight, bias)
+    return logits, F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
 
 
 def _loss_and_grads(hidden, weight, bias, targets, ignore_index, rows, grads=(False, False)):

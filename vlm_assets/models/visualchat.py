@@ -24,7 +24,7 @@ import torch.nn as nn
 from vlm_assets.data.tokens import IGNORE_INDEX, positions_from_segments
 from vlm_assets.models import visualchat_attention
 from vlm_assets.models.hf_compat import cache_argument
-from vlm_assets.models.linear_cross_entropy import linear_cross_entropy
+from vlm_assets.models.linear_cross_entropy import head_loss
 from vlm_assets.models.projections import build_projection, tokens_out
 from vlm_assets.models.vision_encoders import VisionEncoder, build_encoder, load_encoder
 from vlm_assets.models.visualchat_attention import Layout, attention_layout
@@ -239,7 +239,7 @@ class VisualChatModel(nn.Module):
         tokens that a label follows only, in row-major order. ``segments`` (B, T): packed-sample ids, 0 = padding
         (default: one sample per row, no padding); ``position_ids`` restart per segment (default: 0..T-1).
         ``return_logits=False`` leaves ``.logits`` None: on a CPU a plain head's loss is then computed without
-        them (``linear_cross_entropy``), the same loss and gradients.
+        them (``head_loss``), the same loss and gradients.
         """
         if segments is None:
             segments = torch.ones_like(input_ids)
@@ -262,12 +262,7 @@ class VisualChatModel(nn.Module):
                 return CausalLMOutput(loss=out.loss, logits=out.logits[:, :-1][answered] if return_logits else None)
             hidden = self.decoder.get_decoder()(inputs_embeds=embeds, position_ids=position_ids).last_hidden_state
             head, rows = self.decoder.get_output_embeddings(), hidden[:, :-1][answered]
-            # Under ZeRO-3 (ds_id) the head's weight is whole only inside its own forward; on a GPU the
-            # logits fit and cuBLAS with the fused cross-entropy kernel beat a loop of chunks.
-            if not return_logits and rows.device.type == "cpu" and not hasattr(head.weight, "ds_id"):
-                return CausalLMOutput(loss=linear_cross_entropy(rows, head.weight, head.bias, targets[answered]))
-            logits = head(rows)
-            loss = nn.functional.cross_entropy(logits.float(), targets[answered])
+            logits, loss = head_loss(rows, head.weight, head.bias, targets[answered], return_logits, project=head)
             return CausalLMOutput(loss=loss, logits=logits if return_logits else None)
 
     def layout(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> Layout:

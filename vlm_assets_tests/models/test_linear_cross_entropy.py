@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vlm_assets.models.gpt import GPT, preset
-from vlm_assets.models.linear_cross_entropy import linear_cross_entropy
+from vlm_assets.models.linear_cross_entropy import head_loss, linear_cross_entropy
 
 
 def head_inputs(rows=40, dim=16, vocab=300, real=290):
@@ -90,3 +90,28 @@ def test_a_frozen_head_gets_no_gradient_and_the_hidden_states_theirs():
     linear_cross_entropy(hidden, frozen, bias, targets, chunk_rows=8).backward()
     torch.testing.assert_close(hidden.grad, expected)
     assert frozen.grad is None
+
+
+def test_head_loss_skips_the_logits_on_cpu_unless_asked_and_a_zero3_weight_goes_through_its_module():
+    hidden, weight, bias, targets = head_inputs()
+    expected = F.cross_entropy(F.linear(hidden, weight, bias), targets, ignore_index=-100)
+    logits, loss = head_loss(hidden, weight, bias, targets, want_logits=False)
+    assert logits is None and loss.grad_fn.name().endswith("_LinearCrossEntropyBackward")
+    torch.testing.assert_close(loss, expected)
+    logits, loss = head_loss(hidden, weight, bias, targets, want_logits=True)
+    torch.testing.assert_close(logits, F.linear(hidden, weight, bias))
+    torch.testing.assert_close(loss, expected)
+
+    # A ZeRO-3 partitioned weight (DeepSpeed marks it with ds_id) is empty outside its module's forward,
+    # so the loss comes from the logits of ``project``, even when no logits are wanted.
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0])
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        head.bias.copy_(bias)
+    partitioned = torch.empty(0)
+    partitioned.ds_id = 7
+    calls = []
+    project = lambda rows: calls.append(rows) or head(rows)  # noqa: E731
+    logits, loss = head_loss(hidden, partitioned, None, targets, want_logits=False, project=project)
+    assert len(calls) == 1 and logits.shape == (40, 300)
+    torch.testing.assert_close(loss, expected)
