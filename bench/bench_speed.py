@@ -63,7 +63,7 @@ def suite(code: Path, kernels: dict) -> dict:
     """Wall seconds of the CPU suite of ``code`` (its own tests, this environment), its closing line, and
     the busy core-seconds and floor ``bench_suite_cpu.py`` accounts (this checkout's plugin in both runs)."""
     started = time.perf_counter()
-    proc, rows = bench_suite_cpu.run_suite(code, kernels, ["-m", "not gpu"], [str(code), str(HERE)])
+    proc, rows, processes = bench_suite_cpu.run_suite(code, kernels, ["-m", "not gpu"], [str(code), str(HERE)])
     seconds = time.perf_counter() - started
     last = (proc.stdout.strip().splitlines() or [""])[-1]
     cpu = bench_suite_cpu.summarize(rows, os.cpu_count() or 1) if rows else {}
@@ -74,6 +74,7 @@ def suite(code: Path, kernels: dict) -> dict:
         "busy_core_s": cpu.get("busy_core_s"),
         "floor_s": cpu.get("floor_s"),
         "tests": rows,
+        "processes": bench_suite_cpu.by_kind(processes),
     }
 
 
@@ -159,6 +160,14 @@ def main() -> None:
         lines.append("")
         if args.suite and new["suite"]["tests"]:
             lines += busiest(old["suite"]["tests"], new["suite"]["tests"])
+            for name, run in ((old_name, old), (new_name, new)):
+                if run["suite"]["processes"]:
+                    lines += [
+                        f"{name}:",
+                        "",
+                        *bench_suite_cpu.kinds_markdown(run["suite"]["processes"], run["suite"]["busy_core_s"]),
+                        "",
+                    ]
     markdown = "\n".join(lines)
     print(markdown)
     if args.write:

@@ -7,13 +7,16 @@ it could take here with its CPU work unchanged and no core ever idle).
 Busy time is machine-wide (``/proc/stat``), because a test's work is mostly in the processes it starts
 (workers, servers, daemons); run it with nothing else running. The suite runs in one pytest process with
 this file as a plugin (``-p bench_suite_cpu``), which appends one JSON line per test to the file named
-by ``BENCH_SUITE_CPU_OUT``.
+by ``BENCH_SUITE_CPU_OUT``. Every Python process of the suite also logs its own CPU seconds at exit
+(``process_log/sitecustomize.py``), which says what kind of process the busy time went to: trainers,
+run workers, servers, the tests' own process.
 """
 
 import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -79,7 +82,60 @@ def summarize(rows: list[dict], cores: int) -> dict:
     }
 
 
-def markdown(summary: dict, rows: list[dict], top: int) -> str:
+# What a process is, from its arguments: the first pattern that matches one of them names its kind; a
+# dagster command is told apart by its subcommand (``dagster api execute_run``, ``dagster dev``).
+KINDS = [
+    (re.compile(r"vlm_assets\.train\.(\w+)"), "trainer {}"),
+    (re.compile(r"torch/distributed/run\.py$|^torchrun$()"), "torchrun agent{}"),
+    (re.compile(r"(?:^|/)(dagster[-_]daemon|dagster[-_]webserver)(?:/__main__\.py)?$"), "{}"),
+    (re.compile(r"(?:^|/)(dagster|dg)(?:/__main__\.py)?$"), "{}"),
+    (re.compile(r"(?:^|/)pytest(?:/__main__\.py)?$()"), "pytest (the tests' own process){}"),
+    (re.compile(r"(?:^|/)(mlflow|moto_server|uvicorn|gunicorn)(?:/__main__\.py)?$"), "server {}"),
+    (re.compile(r"(?:^|/)(\w+)/__main__\.py$"), "python -m {}"),
+    (re.compile(r"(?:^|/)(\w+\.py)$"), "script {}"),
+]
+
+
+def kind(argv: list[str]) -> str:
+    """The kind of a process from its first arguments, e.g. ``trainer gpt_pretrain``, ``dagster api execute_run``."""
+    for pattern, name in KINDS:
+        for i, arg in enumerate(argv):
+            if m := pattern.search(arg):
+                label = name.format(m.group(1) or "")
+                if label in ("dagster", "dg"):
+                    label = " ".join([label, *[a for a in argv[i + 1 : i + 3] if not a.startswith("-")]])
+                return label
+    return "python -c" if argv[:1] == ["-c"] else f"python {Path(argv[0]).name if argv else ''}".strip()
+
+
+def by_kind(processes: list[dict]) -> list[dict]:
+    """Processes grouped by ``kind``, the most CPU first: how many, their CPU seconds in all and on average."""
+    groups: dict[str, list[float]] = collections.defaultdict(list)
+    for p in processes:
+        groups[kind(p["argv"])].append(p["cpu_s"])
+    rows = [{"kind": k, "processes": len(v), "cpu_s": sum(v), "mean_cpu_s": sum(v) / len(v)} for k, v in groups.items()]
+    return sorted(rows, key=lambda r: -r["cpu_s"])
+
+
+def kinds_markdown(kinds: list[dict], busy_core_s: float) -> list[str]:
+    """Lines of a table of ``by_kind``'s rows, each kind's share of the busy core-seconds, and what no line logged."""
+    lines = ["The busy core-seconds by the kind of Python process they went to (each process's own CPU at exit):", ""]
+    lines += [
+        "| process kind | processes | CPU (s) | CPU per process (s) | of the busy core-s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for k in kinds:
+        share = k["cpu_s"] / busy_core_s
+        lines.append(f"| {k['kind']} | {k['processes']} | {k['cpu_s']:.0f} | {k['mean_cpu_s']:.1f} | {share:.0%} |")
+    rest = busy_core_s - sum(k["cpu_s"] for k in kinds)
+    lines.append(
+        f"| not logged (killed by a signal; not Python: Postgres, k8s; the kernel) | - | {rest:.0f} | - "
+        f"| {rest / busy_core_s:.0%} |"
+    )
+    return lines
+
+
+def markdown(summary: dict, rows: list[dict], top: int, processes: list[dict] = ()) -> str:
     s = summary
     lines = [
         "| suite | |",
@@ -104,24 +160,32 @@ def markdown(summary: dict, rows: list[dict], top: int) -> str:
     idle = lambda r: s["cores"] * r["wall_s"] - r["busy_core_s"]  # noqa: E731
     for r in sorted(rows, key=idle, reverse=True)[:top]:
         lines.append(f"| `{r['test']}` | {r['wall_s']:.1f} | {r['busy_core_s'] / r['wall_s']:.2f} | {idle(r):.0f} |")
+    if processes:
+        lines += ["", *kinds_markdown(by_kind(processes), s["busy_core_s"])]
     return "\n".join(lines) + "\n"
+
+
+def read_lines(path: Path) -> list[dict]:
+    """The JSON lines of ``path``; none when it was never written."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def run_suite(
     cwd: Path, kernels: dict, pytest_args: list[str], pythonpath: list[str | None]
-) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """Run pytest in ``cwd`` with this file as its plugin; return the process and the rows it wrote per test.
+) -> tuple[subprocess.CompletedProcess, list[dict], list[dict]]:
+    """Run pytest in ``cwd`` with this file as its plugin; return the process, the rows it wrote per test, and
+    the line each Python process of the run wrote at its exit (``process_log``).
 
     ``pythonpath`` lists PYTHONPATH's entries in order (``None`` entries left out); it must reach this file.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "tests.jsonl"
+        out, log = Path(tmp) / "tests.jsonl", Path(tmp) / "processes.jsonl"
         env = {**os.environ, **kernels, "CUDA_VISIBLE_DEVICES": "", "BENCH_SUITE_CPU_OUT": str(out)}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, pythonpath))
+        env["BENCH_PROCESS_LOG"] = str(log)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "process_log"), *pythonpath]))
         command = [sys.executable, "-m", "pytest", "-q", "-p", "bench_suite_cpu", "-p", "no:cacheprovider"]
         proc = subprocess.run([*command, *pytest_args], cwd=cwd, env=env, capture_output=True, text=True)
-        rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    return proc, rows
+        return proc, read_lines(out), read_lines(log)
 
 
 def main() -> None:
@@ -135,19 +199,22 @@ def main() -> None:
     parser.add_argument("pytest_args", nargs="*", help="after `--`: arguments for pytest (default: the CPU suite)")
     args = parser.parse_args()
     pythonpath = [str(HERE), os.environ.get("PYTHONPATH")]
-    proc, rows = run_suite(REPO, results_file.KERNELS[args.kernels], args.pytest_args or ["-m", "not gpu"], pythonpath)
+    proc, rows, processes = run_suite(
+        REPO, results_file.KERNELS[args.kernels], args.pytest_args or ["-m", "not gpu"], pythonpath
+    )
     last = (proc.stdout.strip().splitlines() or [""])[-1]
     if proc.returncode != 0:
         print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
         sys.exit(f"the suite failed ({last}): its times would describe another suite")
     summary = summarize(rows, os.cpu_count() or 1)
     kernels = " ".join(f"{k}={v}" for k, v in results_file.KERNELS[args.kernels].items()) or "no kernel override"
-    text = f"The suite's processes: {kernels}.\n\n" + markdown(summary, rows, args.top)
+    text = f"The suite's processes: {kernels}.\n\n" + markdown(summary, rows, args.top, processes)
     text += f"\nThe suite's last line: {last}\n"
     print(text)
     if args.write:
         head = results_file.header(" ".join(["bench/bench_suite_cpu.py", *sys.argv[1:]]))
-        print(f"wrote {results_file.write('suite-cpu', head, text, {'summary': summary, 'tests': rows})}")
+        data = {"summary": summary, "tests": rows, "processes": by_kind(processes)}
+        print(f"wrote {results_file.write('suite-cpu', head, text, data)}")
 
 
 if __name__ == "__main__":

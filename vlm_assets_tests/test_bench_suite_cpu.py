@@ -1,9 +1,7 @@
-"""bench/bench_suite_cpu.py: its pytest plugin times each test and counts the cores it kept busy, and its
-summary's floor and idle core-seconds follow from those."""
+"""bench/bench_suite_cpu.py: its pytest plugin times each test and counts the cores it kept busy, its
+summary's floor and idle core-seconds follow from those, and every Python process of the run logs its own
+CPU time under the test that started it."""
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +12,8 @@ sys.path.insert(0, str(REPO / "bench"))
 import bench_suite_cpu  # noqa: E402
 
 TESTS = """
+import subprocess
+import sys
 import time
 
 def test_sleeps():
@@ -23,21 +23,33 @@ def test_spins():
     end = time.process_time() + 1.0
     while time.process_time() < end:
         pass
+
+def test_starts_a_trainer_like_child():
+    spin = "import time\\nend = time.process_time() + 0.5\\nwhile time.process_time() < end: pass"
+    subprocess.run([sys.executable, "-c", spin, "vlm_assets.train.gpt_pretrain", "--config"], check=True)
 """
 
 
-def test_the_plugin_writes_each_tests_wall_time_and_busy_core_seconds(tmp_path):
+def test_the_plugin_writes_each_tests_wall_time_and_busy_core_seconds_and_each_process_its_cpu(tmp_path):
     (tmp_path / "test_sample.py").write_text(TESTS)
-    out = tmp_path / "tests.jsonl"
-    env = {**os.environ, "BENCH_SUITE_CPU_OUT": str(out), "PYTHONPATH": str(REPO / "bench")}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "bench_suite_cpu", "-p", "no:cacheprovider"]
-    proc = subprocess.run([*command, "test_sample.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    proc, rows, processes = bench_suite_cpu.run_suite(tmp_path, {}, ["test_sample.py"], [str(REPO / "bench")])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = {r["test"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(rows) == {"test_sample.py::test_sleeps", "test_sample.py::test_spins"}
+    rows = {r["test"]: r for r in rows}
+    assert set(rows) == {
+        f"test_sample.py::{t}" for t in ("test_sleeps", "test_spins", "test_starts_a_trainer_like_child")
+    }
     assert rows["test_sample.py::test_sleeps"]["wall_s"] >= 0.5
     # a second of this process's own CPU time, whatever else the machine did meanwhile
     assert rows["test_sample.py::test_spins"]["busy_core_s"] >= 0.9
+
+    # the child logged its own half second under the test that started it; pytest its own second and more
+    (child,) = [p for p in processes if p["test"]]
+    assert child["test"] == "test_sample.py::test_starts_a_trainer_like_child" and 0.5 <= child["cpu_s"] < 1.0
+    (runner,) = [p for p in processes if not p["test"]]
+    assert runner["cpu_s"] >= 1.0  # test_spins ran in it
+    kinds = {k["kind"]: k for k in bench_suite_cpu.by_kind(processes)}
+    assert set(kinds) == {"trainer gpt_pretrain", "pytest (the tests' own process)"}
+    assert kinds["trainer gpt_pretrain"]["processes"] == 1
 
 
 def test_the_floor_packs_the_busy_core_seconds_onto_every_core():
@@ -53,3 +65,40 @@ def test_the_floor_packs_the_busy_core_seconds_onto_every_core():
     assert s["modules"]["b.py"] == {"tests": 2, "wall_s": 10.0, "busy_core_s": 4.0, "idle_core_s": 16.0}
     with pytest.raises(ValueError, match="no test ran"):
         bench_suite_cpu.summarize([], cores=2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["/v/lib/python3.11/site-packages/torch/distributed/run.py", "--nnodes=2"], "torchrun agent"),
+        (["vlm_assets.train.visualchat_train", "--config", "run.json"], "trainer visualchat_train"),
+        (["/v/site-packages/dagster/__main__.py", "api", "execute_run", "{}"], "dagster api execute_run"),
+        (["/v/bin/dagster", "dev", "-w", "workspace.yaml"], "dagster dev"),
+        (["/v/bin/dagster-daemon", "run"], "dagster-daemon"),
+        (["/v/bin/dg", "launch", "--job", "main_job"], "dg launch"),
+        (["/v/bin/mlflow", "server"], "server mlflow"),
+        (["/w/bench/soak.py", "--runs", "2"], "script soak.py"),
+        (["/v/site-packages/pip/__main__.py", "install"], "python -m pip"),
+        (["-c"], "python -c"),
+        (["/opt/tool"], "python tool"),
+    ],
+)
+def test_a_process_kind_is_named_from_its_arguments(argv, expected):
+    assert bench_suite_cpu.kind(argv) == expected
+
+
+def test_the_kinds_table_leaves_the_unlogged_busy_time_on_a_row_of_its_own():
+    kinds = bench_suite_cpu.by_kind(
+        [
+            {"argv": ["vlm_assets.train.gpt_pretrain"], "cpu_s": 9.0},
+            {"argv": ["vlm_assets.train.gpt_pretrain"], "cpu_s": 11.0},
+            {"argv": ["-c"], "cpu_s": 5.0},
+        ]
+    )
+    assert [(k["kind"], k["processes"], k["cpu_s"], k["mean_cpu_s"]) for k in kinds] == [
+        ("trainer gpt_pretrain", 2, 20.0, 10.0),
+        ("python -c", 1, 5.0, 5.0),
+    ]
+    table = bench_suite_cpu.kinds_markdown(kinds, busy_core_s=50.0)
+    assert "| trainer gpt_pretrain | 2 | 20 | 10.0 | 40% |" in table
+    assert table[-1].startswith("| not logged") and table[-1].endswith("| 25 | - | 50% |")
