@@ -129,8 +129,10 @@ wait_http "$AWS_ENDPOINT_URL/moto-api/" "the S3 server" "$dir/logs/s3.log"
 python -c "import boto3; boto3.client('s3').create_bucket(Bucket='$VLM_ASSETS_S3_BUCKET')"
 
 # MLflow: runs and the model registry in Postgres; artifacts proxied by the server to S3
-# (--serve-artifacts: clients need no S3 credentials for them).
-MLFLOW_S3_ENDPOINT_URL=$AWS_ENDPOINT_URL setsid mlflow server --host 127.0.0.1 --port "$mlflow_port" --workers 2 \
+# (--serve-artifacts: clients need no S3 credentials for them). Its job runners (huey consumers for the
+# GenAI jobs: scorers, prompt optimization) are off: nothing here submits a job, and each of the seven
+# would take a core for seconds at every start.
+MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false MLFLOW_S3_ENDPOINT_URL=$AWS_ENDPOINT_URL setsid mlflow server --host 127.0.0.1 --port "$mlflow_port" --workers 2 \
   --backend-store-uri "postgresql://vlm:$pg_password@127.0.0.1:$pg_port/mlflow" \
   --serve-artifacts --artifacts-destination "s3://$VLM_ASSETS_S3_BUCKET/mlflow" \
   > "$dir/logs/mlflow.log" 2>&1 &
