@@ -1,8 +1,9 @@
 """Appends one JSON line per Python process at its exit (its arguments, CPU seconds, wall seconds and the
 test that started it) to the file named by ``BENCH_PROCESS_LOG``; without it, does nothing.
 
-``bench_suite_cpu.py`` puts this folder on the suite's PYTHONPATH, so that every Python process the suite
-starts (pytest, run workers, trainers, servers) imports it at start-up. A process killed by a signal, and
+``bench_suite_cpu.py`` puts this folder first on the suite's PYTHONPATH, so that every Python process the
+suite starts (pytest, run workers, trainers, servers) imports it at start-up, in place of any other
+``sitecustomize`` (a virtual environment has none). A process killed by a signal, and
 any process not Python (Postgres, the k8s control plane), writes nothing: their CPU is the busy time no
 line accounts for.
 """
