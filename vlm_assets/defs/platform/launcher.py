@@ -18,6 +18,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
+from vlm_assets.defs.platform.pipes_reader import WholeLineTempFileMessageReader
 from vlm_assets.launch import LaunchFailed, LaunchSpec, run_local
 from vlm_assets.launch.k8s import PodSettings
 from vlm_assets.launch.lifeline import die_with_parent
@@ -133,7 +134,7 @@ class LocalTorchrunLauncher(TrainingLauncher):
     ) -> list[dg.MaterializeResult]:
         """Run ``spec`` as local ``torchrun`` processes; return rank 0's Pipes reports."""
         with _pipes_session(
-            context, extras, dg.PipesTempFileContextInjector(), dg.PipesTempFileMessageReader()
+            context, extras, dg.PipesTempFileContextInjector(), WholeLineTempFileMessageReader()
         ) as session:
             run_local(
                 spec,
