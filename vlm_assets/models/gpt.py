@@ -126,7 +126,7 @@ class GPT(nn.Module):
         targets = None if labels is None else F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).flatten()
         vocab, bias = self.config.vocab_size, self.logit_bias.to(x.dtype)
         if targets is None:
-            return F.linear(x, self.lm_head.weight, bias)[..., :vocab], None
+            return (F.linear(x, self.lm_head.weight, bias)[..., :vocab] if return_logits else None), None
         logits, loss = head_loss(
             x.flatten(0, 1), self.lm_head.weight, bias, targets, return_logits, ignore_index=IGNORE_INDEX
         )

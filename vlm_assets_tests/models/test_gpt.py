@@ -90,3 +90,10 @@ def test_a_few_steps_learn_real_shakespeare_tokens(offline_data):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 3  # memorises a real block: the model and its gradients work
+
+
+def test_without_labels_the_logits_come_only_when_asked_for():
+    model, ids = tiny(), torch.randint(0, 100, (2, 8))
+    logits, loss = model(ids)
+    assert logits.shape == (2, 8, model.config.vocab_size) and loss is None
+    assert model(ids, return_logits=False) == (None, None)
