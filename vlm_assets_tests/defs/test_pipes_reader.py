@@ -43,14 +43,10 @@ def test_a_message_written_in_pieces_is_read_whole(tmp_path):
     assert handler.errors == [] and [m["params"] for m in handler.messages] == [metadata]
 
 
-def test_dagsters_own_reader_still_loses_it():
+def test_dagsters_own_reader_still_loses_it(tmp_path):
     """When this fails, Dagster's reader joins a line's pieces itself: remove pipes_reader.py and its use."""
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "messages")
-        handler, _ = read_a_message_written_in_two_pieces(dg.PipesFileMessageReader(path), path)
+    path = str(tmp_path / "messages")
+    handler, _ = read_a_message_written_in_two_pieces(dg.PipesFileMessageReader(path), path)
     assert handler.messages == [] and "JSONDecodeError" in handler.errors[0]
 
 

@@ -51,6 +51,7 @@ class WholeLineTempFileMessageReader(dg.PipesTempFileMessageReader):
     def read_messages(self, handler) -> Iterator[dict]:
         """Yield the Pipes params of a temporary messages file, read in a thread until the session closes."""
         with tempfile.TemporaryDirectory() as tempdir:
-            reader = WholeLineFileMessageReader(os.path.join(tempdir, "messages"))
+            path = os.path.join(tempdir, "messages")
+            reader = WholeLineFileMessageReader(path, include_stdio_in_messages=self._include_stdio_in_messages)
             with reader.read_messages(handler) as params:
                 yield params
