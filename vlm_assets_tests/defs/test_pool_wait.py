@@ -41,8 +41,8 @@ def test_a_step_waiting_for_a_pool_slot_sleeps_then_runs_once_the_slot_is_freed(
     finally:
         storage.free_concurrency_slot_for_step("other-run", "train")
         run.join(timeout=120)
-    # Spinning kept a core busy (share 1.0 on an idle machine, still > 0.3 on a loaded one); a claim a second
-    # costs a few milliseconds of sqlite.
+    # Spinning keeps a core busy (share 1.0 on an idle machine, still > 0.3 on a loaded one); a claim a
+    # second costs a few milliseconds of sqlite.
     assert share < 0.1, f"the waiting run kept {share:.0%} of a core busy"
     assert not run.is_alive() and results[0].success
 
