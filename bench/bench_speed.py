@@ -63,7 +63,9 @@ def suite(code: Path, kernels: dict) -> dict:
     """Wall seconds of the CPU suite of ``code`` (its own tests, this environment), its closing line, and
     the busy core-seconds and floor ``bench_suite_cpu.py`` accounts (this checkout's plugin in both runs)."""
     started = time.perf_counter()
-    proc, rows, processes = bench_suite_cpu.run_suite(code, kernels, ["-m", "not gpu"], [str(code), str(HERE)])
+    proc, rows, processes, run_busy = bench_suite_cpu.run_suite(
+        code, kernels, ["-m", "not gpu"], [str(code), str(HERE)]
+    )
     seconds = time.perf_counter() - started
     last = (proc.stdout.strip().splitlines() or [""])[-1]
     cpu = bench_suite_cpu.summarize(rows, os.cpu_count() or 1) if rows else {}
@@ -75,6 +77,7 @@ def suite(code: Path, kernels: dict) -> dict:
         "floor_s": cpu.get("floor_s"),
         "tests": rows,
         "processes": bench_suite_cpu.by_kind(processes),
+        "run_busy_core_s": run_busy,
     }
 
 
@@ -158,16 +161,13 @@ def main() -> None:
         if args.suite:
             lines.append(f"| suite's last line | {old['suite']['summary']} | {new['suite']['summary']} | |")
         lines.append("")
-        if args.suite and new["suite"]["tests"]:
-            lines += busiest(old["suite"]["tests"], new["suite"]["tests"])
+        if args.suite:
+            if new["suite"]["tests"]:
+                lines += busiest(old["suite"]["tests"], new["suite"]["tests"])
             for name, run in ((old_name, old), (new_name, new)):
-                if run["suite"]["processes"]:
-                    lines += [
-                        f"{name}:",
-                        "",
-                        *bench_suite_cpu.kinds_markdown(run["suite"]["processes"], run["suite"]["busy_core_s"]),
-                        "",
-                    ]
+                if run["suite"]["processes"]:  # a suite that crashed early may have logged none
+                    kinds = bench_suite_cpu.kinds_markdown(run["suite"]["processes"], run["suite"]["run_busy_core_s"])
+                    lines += [f"{name}:", "", *kinds, ""]
     markdown = "\n".join(lines)
     print(markdown)
     if args.write:

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -82,11 +83,12 @@ def summarize(rows: list[dict], cores: int) -> dict:
     }
 
 
-# What a process is, from its arguments: the first pattern that matches one of them names its kind; a
+# What a process is, from its arguments: the first pattern that matches its first known argument names its kind; a
 # dagster command is told apart by its subcommand (``dagster api execute_run``, ``dagster dev``).
 KINDS = [
     (re.compile(r"vlm_assets\.train\.(\w+)"), "trainer {}"),
-    (re.compile(r"torch/distributed/run\.py$|^torchrun$()"), "torchrun agent{}"),
+    (re.compile(r"torch/distributed/run\.py$|(?:^|/)torchrun$()"), "torchrun agent{}"),
+    (re.compile(r"(?:^|/)dagster/_daemon/__main__\.py$()"), "dagster-daemon{}"),
     (re.compile(r"(?:^|/)(dagster[-_]daemon|dagster[-_]webserver)(?:/__main__\.py)?$"), "{}"),
     (re.compile(r"(?:^|/)(dagster|dg)(?:/__main__\.py)?$"), "{}"),
     (re.compile(r"(?:^|/)pytest(?:/__main__\.py)?$()"), "pytest (the tests' own process){}"),
@@ -98,8 +100,8 @@ KINDS = [
 
 def kind(argv: list[str]) -> str:
     """The kind of a process from its first arguments, e.g. ``trainer gpt_pretrain``, ``dagster api execute_run``."""
-    for pattern, name in KINDS:
-        for i, arg in enumerate(argv):
+    for i, arg in enumerate(argv):  # the first argument a rule knows: a torchrun agent's args name its trainer
+        for pattern, name in KINDS:
             if m := pattern.search(arg):
                 label = name.format(m.group(1) or "")
                 if label in ("dagster", "dg"):
@@ -118,10 +120,18 @@ def by_kind(processes: list[dict]) -> list[dict]:
 
 
 def kinds_markdown(kinds: list[dict], busy_core_s: float) -> list[str]:
-    """Lines of a table of ``by_kind``'s rows, each kind's share of the busy core-seconds, and what no line logged."""
-    lines = ["The busy core-seconds by the kind of Python process they went to (each process's own CPU at exit):", ""]
+    """Lines of a table of ``by_kind``'s rows, each kind's share of ``busy_core_s``, and what no line logged.
+
+    ``busy_core_s`` is the machine's busy time over the whole pytest process (``SuiteRun.busy_core_s``):
+    a process's CPU at exit includes what it did outside any test (collection, session fixtures).
+    """
+    lines = [
+        "The busy core-seconds of the whole pytest run by the kind of Python process they went to (each"
+        " process's own CPU at exit):",
+        "",
+    ]
     lines += [
-        "| process kind | processes | CPU (s) | CPU per process (s) | of the busy core-s |",
+        "| process kind | processes | CPU (s) | CPU per process (s) | of the run's busy core-s |",
         "|---|---:|---:|---:|---:|",
     ]
     for k in kinds:
@@ -135,7 +145,7 @@ def kinds_markdown(kinds: list[dict], busy_core_s: float) -> list[str]:
     return lines
 
 
-def markdown(summary: dict, rows: list[dict], top: int, processes: list[dict] = ()) -> str:
+def markdown(summary: dict, rows: list[dict], top: int, processes: list[dict] = (), run_busy_core_s: float = 0) -> str:
     s = summary
     lines = [
         "| suite | |",
@@ -161,7 +171,7 @@ def markdown(summary: dict, rows: list[dict], top: int, processes: list[dict] = 
     for r in sorted(rows, key=idle, reverse=True)[:top]:
         lines.append(f"| `{r['test']}` | {r['wall_s']:.1f} | {r['busy_core_s'] / r['wall_s']:.2f} | {idle(r):.0f} |")
     if processes:
-        lines += ["", *kinds_markdown(by_kind(processes), s["busy_core_s"])]
+        lines += ["", *kinds_markdown(by_kind(processes), run_busy_core_s)]
     return "\n".join(lines) + "\n"
 
 
@@ -170,11 +180,17 @@ def read_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_suite(
-    cwd: Path, kernels: dict, pytest_args: list[str], pythonpath: list[str | None]
-) -> tuple[subprocess.CompletedProcess, list[dict], list[dict]]:
-    """Run pytest in ``cwd`` with this file as its plugin; return the process, the rows it wrote per test, and
-    the line each Python process of the run wrote at its exit (``process_log``).
+class SuiteRun(NamedTuple):
+    """One pytest run under ``run_suite``."""
+
+    proc: subprocess.CompletedProcess
+    tests: list[dict]  # the plugin's row per test
+    processes: list[dict]  # the line each Python process of the run wrote at its exit (``process_log``)
+    busy_core_s: float  # the machine's busy core-seconds from pytest's start to its exit
+
+
+def run_suite(cwd: Path, kernels: dict, pytest_args: list[str], pythonpath: list[str | None]) -> SuiteRun:
+    """Run pytest in ``cwd`` with this file as its plugin and log every Python process it starts.
 
     ``pythonpath`` lists PYTHONPATH's entries in order (``None`` entries left out); it must reach this file.
     """
@@ -184,8 +200,10 @@ def run_suite(
         env["BENCH_PROCESS_LOG"] = str(log)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "process_log"), *pythonpath]))
         command = [sys.executable, "-m", "pytest", "-q", "-p", "bench_suite_cpu", "-p", "no:cacheprovider"]
+        busy0 = busy_ticks()
         proc = subprocess.run([*command, *pytest_args], cwd=cwd, env=env, capture_output=True, text=True)
-        return proc, read_lines(out), read_lines(log)
+        busy = (busy_ticks() - busy0) / os.sysconf("SC_CLK_TCK")
+        return SuiteRun(proc, read_lines(out), read_lines(log), busy)
 
 
 def main() -> None:
@@ -199,7 +217,7 @@ def main() -> None:
     parser.add_argument("pytest_args", nargs="*", help="after `--`: arguments for pytest (default: the CPU suite)")
     args = parser.parse_args()
     pythonpath = [str(HERE), os.environ.get("PYTHONPATH")]
-    proc, rows, processes = run_suite(
+    proc, rows, processes, run_busy = run_suite(
         REPO, results_file.KERNELS[args.kernels], args.pytest_args or ["-m", "not gpu"], pythonpath
     )
     last = (proc.stdout.strip().splitlines() or [""])[-1]
@@ -208,7 +226,7 @@ def main() -> None:
         sys.exit(f"the suite failed ({last}): its times would describe another suite")
     summary = summarize(rows, os.cpu_count() or 1)
     kernels = " ".join(f"{k}={v}" for k, v in results_file.KERNELS[args.kernels].items()) or "no kernel override"
-    text = f"The suite's processes: {kernels}.\n\n" + markdown(summary, rows, args.top, processes)
+    text = f"The suite's processes: {kernels}.\n\n" + markdown(summary, rows, args.top, processes, run_busy)
     text += f"\nThe suite's last line: {last}\n"
     print(text)
     if args.write:

@@ -32,7 +32,7 @@ def test_starts_a_trainer_like_child():
 
 def test_the_plugin_writes_each_tests_wall_time_and_busy_core_seconds_and_each_process_its_cpu(tmp_path):
     (tmp_path / "test_sample.py").write_text(TESTS)
-    proc, rows, processes = bench_suite_cpu.run_suite(tmp_path, {}, ["test_sample.py"], [str(REPO / "bench")])
+    proc, rows, processes, run_busy = bench_suite_cpu.run_suite(tmp_path, {}, ["test_sample.py"], [str(REPO / "bench")])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = {r["test"]: r for r in rows}
     assert set(rows) == {
@@ -50,6 +50,9 @@ def test_the_plugin_writes_each_tests_wall_time_and_busy_core_seconds_and_each_p
     kinds = {k["kind"]: k for k in bench_suite_cpu.by_kind(processes)}
     assert set(kinds) == {"trainer gpt_pretrain", "pytest (the tests' own process)"}
     assert kinds["trainer gpt_pretrain"]["processes"] == 1
+    # the run's busy time spans every process's whole life (pytest's collection and start-up included)
+    assert run_busy >= sum(p["cpu_s"] for p in processes) - 0.1
+    assert run_busy > sum(r["busy_core_s"] for r in rows.values())
 
 
 def test_the_floor_packs_the_busy_core_seconds_onto_every_core():
@@ -71,10 +74,12 @@ def test_the_floor_packs_the_busy_core_seconds_onto_every_core():
     ("argv", "expected"),
     [
         (["/v/lib/python3.11/site-packages/torch/distributed/run.py", "--nnodes=2"], "torchrun agent"),
+        (["/v/bin/torchrun", "--nnodes=2", "-m", "vlm_assets.train.gpt_pretrain"], "torchrun agent"),
         (["vlm_assets.train.visualchat_train", "--config", "run.json"], "trainer visualchat_train"),
         (["/v/site-packages/dagster/__main__.py", "api", "execute_run", "{}"], "dagster api execute_run"),
         (["/v/bin/dagster", "dev", "-w", "workspace.yaml"], "dagster dev"),
         (["/v/bin/dagster-daemon", "run"], "dagster-daemon"),
+        (["/v/site-packages/dagster/_daemon/__main__.py", "run"], "dagster-daemon"),
         (["/v/bin/dg", "launch", "--job", "main_job"], "dg launch"),
         (["/v/bin/mlflow", "server"], "server mlflow"),
         (["/w/bench/soak.py", "--runs", "2"], "script soak.py"),
