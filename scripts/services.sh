@@ -115,17 +115,33 @@ chmod 600 "$dir/env.sh"
 source "$dir/env.sh"
 cp "$repo/deploy/team/dagster.yaml" "$DAGSTER_HOME/dagster.yaml"
 
-wait_http() {  # URL NAME LOG
-  for _ in $(seq 1 600); do
-    if python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; then return 0; fi
-    sleep 0.2
-  done
+# Until URL answers, or the server's process has exited (the bound only turns a hang into a failure);
+# one Python process polls, rather than one started per poll.
+wait_http() {  # URL NAME LOG PID
+  python - "$1" "$4" <<'PY' && return 0
+import os, sys, time, urllib.request
+url, pid = sys.argv[1], int(sys.argv[2])
+deadline = time.monotonic() + 600
+while time.monotonic() < deadline:
+    try:
+        urllib.request.urlopen(url, timeout=2)
+        sys.exit(0)
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        sys.exit(f"its process {pid} exited")
+    time.sleep(0.2)
+sys.exit("no answer in 600 s")
+PY
   echo "$2 did not come up; its log:" >&2; tail -n 30 "$3" >&2; exit 1
 }
 
 setsid moto_server -H 127.0.0.1 -p "$s3_port" > "$dir/logs/s3.log" 2>&1 &
-echo "s3 $!" >> "$dir/pids"
-wait_http "$AWS_ENDPOINT_URL/moto-api/" "the S3 server" "$dir/logs/s3.log"
+s3_pid=$!
+echo "s3 $s3_pid" >> "$dir/pids"
+wait_http "$AWS_ENDPOINT_URL/moto-api/" "the S3 server" "$dir/logs/s3.log" "$s3_pid"
 python -c "import boto3; boto3.client('s3').create_bucket(Bucket='$VLM_ASSETS_S3_BUCKET')"
 
 # MLflow: runs and the model registry in Postgres; artifacts proxied by the server to S3
@@ -136,15 +152,17 @@ MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false MLFLOW_S3_ENDPOINT_URL=$AWS_ENDPOINT_UR
   --backend-store-uri "postgresql://vlm:$pg_password@127.0.0.1:$pg_port/mlflow" \
   --serve-artifacts --artifacts-destination "s3://$VLM_ASSETS_S3_BUCKET/mlflow" \
   > "$dir/logs/mlflow.log" 2>&1 &
-echo "mlflow $!" >> "$dir/pids"
+mlflow_pid=$!
+echo "mlflow $mlflow_pid" >> "$dir/pids"
 
 # An instance written by an older Dagster is brought to this version's schema (idempotent).
 dagster instance migrate > "$dir/logs/migrate.log" 2>&1 || { cat "$dir/logs/migrate.log" >&2; exit 1; }
 (cd "$repo" && exec setsid dagster-daemon run -w workspace.yaml) > "$dir/logs/daemon.log" 2>&1 &
 echo "dagster-daemon $!" >> "$dir/pids"
 (cd "$repo" && exec setsid dagster-webserver -h 127.0.0.1 -p "$web_port" -w workspace.yaml) > "$dir/logs/webserver.log" 2>&1 &
-echo "dagster-webserver $!" >> "$dir/pids"
-wait_http "$MLFLOW_TRACKING_URI/health" "the MLflow server" "$dir/logs/mlflow.log"
-wait_http "$VLM_SERVICES_WEBSERVER/server_info" "the Dagster webserver" "$dir/logs/webserver.log"
+web_pid=$!
+echo "dagster-webserver $web_pid" >> "$dir/pids"
+wait_http "$MLFLOW_TRACKING_URI/health" "the MLflow server" "$dir/logs/mlflow.log" "$mlflow_pid"
+wait_http "$VLM_SERVICES_WEBSERVER/server_info" "the Dagster webserver" "$dir/logs/webserver.log" "$web_pid"
 echo "services up in $dir: Postgres 127.0.0.1:$pg_port, S3 $AWS_ENDPOINT_URL, MLflow $MLFLOW_TRACKING_URI, Dagster $VLM_SERVICES_WEBSERVER"
 echo "use them: source $dir/env.sh"

@@ -9,7 +9,7 @@ import dagster as dg
 
 import vlm_assets.definitions  # noqa: F401  (what every Dagster process of the project loads first)
 from vlm_assets.defs.platform import pool_wait
-from vlm_assets_tests.waiting import wait_until
+from vlm_assets_tests.waiting import BOUND_S, wait_until
 
 WINDOW_S = 3.0
 
@@ -40,7 +40,7 @@ def test_a_step_waiting_for_a_pool_slot_sleeps_then_runs_once_the_slot_is_freed(
         share = (time.clock_gettime(clock) - cpu0) / (time.monotonic() - wall0)
     finally:
         storage.free_concurrency_slot_for_step("other-run", "train")
-        run.join(timeout=120)
+        run.join(timeout=BOUND_S)
     # Spinning keeps a core busy (share 1.0 on an idle machine, still > 0.3 on a loaded one); a claim a
     # second costs a few milliseconds of sqlite.
     assert share < 0.1, f"the waiting run kept {share:.0%} of a core busy"
