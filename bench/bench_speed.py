@@ -92,6 +92,51 @@ def busiest(old: list[dict], new: list[dict], top: int = 12) -> list[str]:
     return [*lines, ""]
 
 
+def report(results: dict, ran: dict, repeat: int, with_suite: bool) -> str:
+    """The markdown of ``main``'s measurements: per kernel set, old against new with their ratios."""
+    lines = []
+    for kernel, by_code in results.items():
+        (old_name, old), (new_name, new) = by_code.items()
+        env = " ".join(f"{k}={v}" for k, v in results_file.KERNELS[kernel].items()) or "no override"
+        lines += [f"## {kernel} kernels", "", f"Both runs' processes: {env}; torch ran its {ran[kernel]} kernels.", ""]
+        runs = old["main_job_seconds"], new["main_job_seconds"]
+        if repeat > 1:
+            each = " ".join(f"{b / a:.2f}" for a, b in zip(*runs, strict=True))
+            lines += [
+                f"main_job ran {repeat} times per commit, old and new in turn (each a fresh home's first run):"
+                f" its row is the median; the steps and the gates are each commit's first run. Each pair's new /"
+                f" old: {each}; each run (s), old: {', '.join(f'{x:.0f}' for x in runs[0])}; new:"
+                f" {', '.join(f'{x:.0f}' for x in runs[1])}.",
+                "",
+            ]
+        lines += [f"| | {old_name} | {new_name} | new / old |", "|---|---:|---:|---:|"]
+        pairs = [("main_job, first run (s)", statistics.median(runs[0]), statistics.median(runs[1]))]
+        for step in dict.fromkeys([*old["main_job"]["steps"], *new["main_job"]["steps"]]):
+            pairs.append((f"  {step} (s)", old["main_job"]["steps"].get(step), new["main_job"]["steps"].get(step)))
+        if with_suite:
+            pairs.append(("test suite (s)", old["suite"]["seconds"], new["suite"]["seconds"]))
+            pairs.append(("  busy core-seconds", old["suite"]["busy_core_s"], new["suite"]["busy_core_s"]))
+            pairs.append(("  floor: busy core-seconds / cores (s)", old["suite"]["floor_s"], new["suite"]["floor_s"]))
+        for label, a, b in pairs:
+            ratio = f"{b / a:.2f}" if a and b else "-"
+            lines.append(f"| {label} | {a or 0:.1f} | {b or 0:.1f} | {ratio} |")
+        for label, key in (("gain's 95 % lower bound", "gain_ci95_low"), ("VQA 95 % lower bound", "vqa_ci95_low")):
+            lines.append(
+                f"| {label} | {100 * old['main_job'][key]:+.1f} pts | {100 * new['main_job'][key]:+.1f} pts | |"
+            )
+        if with_suite:
+            lines.append(f"| suite's last line | {old['suite']['summary']} | {new['suite']['summary']} | |")
+        lines.append("")
+        if with_suite:
+            if new["suite"]["tests"]:
+                lines += busiest(old["suite"]["tests"], new["suite"]["tests"])
+            for name, run in ((old_name, old), (new_name, new)):
+                if run["suite"]["processes"]:  # a suite that crashed early may have logged none
+                    kinds = bench_suite_cpu.kinds_markdown(run["suite"]["processes"], run["suite"]["run_busy_core_s"])
+                    lines += [f"{name}:", "", *kinds, ""]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="the earlier commit (any git revision)")
@@ -128,47 +173,7 @@ def main() -> None:
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, capture_output=True)
 
-    lines = []
-    for kernel, by_code in results.items():
-        (old_name, old), (new_name, new) = by_code.items()
-        env = " ".join(f"{k}={v}" for k, v in results_file.KERNELS[kernel].items()) or "no override"
-        lines += [f"## {kernel} kernels", "", f"Both runs' processes: {env}; torch ran its {ran[kernel]} kernels.", ""]
-        runs = old["main_job_seconds"], new["main_job_seconds"]
-        if args.repeat > 1:
-            each = " ".join(f"{b / a:.2f}" for a, b in zip(*runs, strict=True))
-            lines += [
-                f"main_job ran {args.repeat} times per commit, old and new in turn (each a fresh home's first run):"
-                f" its row is the median; the steps and the gates are each commit's first run. Each pair's new /"
-                f" old: {each}; each run (s), old: {', '.join(f'{x:.0f}' for x in runs[0])}; new:"
-                f" {', '.join(f'{x:.0f}' for x in runs[1])}.",
-                "",
-            ]
-        lines += [f"| | {old_name} | {new_name} | new / old |", "|---|---:|---:|---:|"]
-        pairs = [("main_job, first run (s)", statistics.median(runs[0]), statistics.median(runs[1]))]
-        for step in dict.fromkeys([*old["main_job"]["steps"], *new["main_job"]["steps"]]):
-            pairs.append((f"  {step} (s)", old["main_job"]["steps"].get(step), new["main_job"]["steps"].get(step)))
-        if args.suite:
-            pairs.append(("test suite (s)", old["suite"]["seconds"], new["suite"]["seconds"]))
-            pairs.append(("  busy core-seconds", old["suite"]["busy_core_s"], new["suite"]["busy_core_s"]))
-            pairs.append(("  floor: busy core-seconds / cores (s)", old["suite"]["floor_s"], new["suite"]["floor_s"]))
-        for label, a, b in pairs:
-            ratio = f"{b / a:.2f}" if a and b else "-"
-            lines.append(f"| {label} | {a or 0:.1f} | {b or 0:.1f} | {ratio} |")
-        for label, key in (("gain's 95 % lower bound", "gain_ci95_low"), ("VQA 95 % lower bound", "vqa_ci95_low")):
-            lines.append(
-                f"| {label} | {100 * old['main_job'][key]:+.1f} pts | {100 * new['main_job'][key]:+.1f} pts | |"
-            )
-        if args.suite:
-            lines.append(f"| suite's last line | {old['suite']['summary']} | {new['suite']['summary']} | |")
-        lines.append("")
-        if args.suite:
-            if new["suite"]["tests"]:
-                lines += busiest(old["suite"]["tests"], new["suite"]["tests"])
-            for name, run in ((old_name, old), (new_name, new)):
-                if run["suite"]["processes"]:  # a suite that crashed early may have logged none
-                    kinds = bench_suite_cpu.kinds_markdown(run["suite"]["processes"], run["suite"]["run_busy_core_s"])
-                    lines += [f"{name}:", "", *kinds, ""]
-    markdown = "\n".join(lines)
+    markdown = report(results, ran, args.repeat, args.suite)
     print(markdown)
     if args.write:
         head = results_file.header(" ".join(["bench/bench_speed.py", *sys.argv[1:]]))
