@@ -92,11 +92,15 @@ def busiest(old: list[dict], new: list[dict], top: int = 12) -> list[str]:
     return [*lines, ""]
 
 
-def report(results: dict, ran: dict, repeat: int, with_suite: bool) -> str:
-    """The markdown of ``main``'s measurements: per kernel set, old against new with their ratios."""
+def report(results: dict, ran: dict) -> str:
+    """The markdown of ``main``'s measurements: per kernel set, old against new with their ratios.
+
+    How many times ``main_job`` ran and whether the suites ran are read from the measurements themselves.
+    """
     lines = []
     for kernel, by_code in results.items():
         (old_name, old), (new_name, new) = by_code.items()
+        repeat, with_suite = len(new["main_job_seconds"]), "suite" in new
         env = " ".join(f"{k}={v}" for k, v in results_file.KERNELS[kernel].items()) or "no override"
         lines += [f"## {kernel} kernels", "", f"Both runs' processes: {env}; torch ran its {ran[kernel]} kernels.", ""]
         runs = old["main_job_seconds"], new["main_job_seconds"]
@@ -173,7 +177,7 @@ def main() -> None:
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, capture_output=True)
 
-    markdown = report(results, ran, args.repeat, args.suite)
+    markdown = report(results, ran)
     print(markdown)
     if args.write:
         head = results_file.header(" ".join(["bench/bench_speed.py", *sys.argv[1:]]))

@@ -30,8 +30,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 
-def busy_ticks() -> int:
-    """Clock ticks all cores spent busy since boot (the ``cpu`` line of ``/proc/stat``)."""
+def busy_seconds() -> float:
+    """Core-seconds all cores spent busy since boot (the ``cpu`` line of ``/proc/stat``)."""
     try:
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:]]
@@ -39,20 +39,20 @@ def busy_ticks() -> int:
         raise RuntimeError("bench_suite_cpu.py reads /proc/stat: it runs on Linux only") from None
     # user nice system idle iowait irq softirq steal (guest time is counted in user and nice already)
     user, nice, system, _idle, _iowait, irq, softirq, _steal = ticks[:8]
-    return user + nice + system + irq + softirq
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """One JSON line per test (setup, call and teardown together): its id, wall seconds, busy core-seconds."""
     out = os.environ.get("BENCH_SUITE_CPU_OUT")
-    busy0 = busy_ticks()
+    busy0 = busy_seconds()
     started = time.monotonic()
     yield
-    busy1 = busy_ticks()
+    busy1 = busy_seconds()
     if out:
         row = {"test": item.nodeid, "wall_s": time.monotonic() - started}
-        row["busy_core_s"] = (busy1 - busy0) / os.sysconf("SC_CLK_TCK")
+        row["busy_core_s"] = busy1 - busy0
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -145,7 +145,8 @@ def kinds_markdown(kinds: list[dict], busy_core_s: float) -> list[str]:
     return lines
 
 
-def markdown(summary: dict, rows: list[dict], top: int, processes: list[dict] = (), run_busy_core_s: float = 0) -> str:
+def markdown(summary: dict, rows: list[dict], top: int, processes: list[dict], run_busy_core_s: float) -> str:
+    """The report: the suite's totals, each module, the ``top`` idlest tests, the busy time by process kind."""
     s = summary
     lines = [
         "| suite | |",
@@ -200,9 +201,9 @@ def run_suite(cwd: Path, kernels: dict, pytest_args: list[str], pythonpath: list
         env["BENCH_PROCESS_LOG"] = str(log)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "process_log"), *pythonpath]))
         command = [sys.executable, "-m", "pytest", "-q", "-p", "bench_suite_cpu", "-p", "no:cacheprovider"]
-        busy0 = busy_ticks()
+        busy0 = busy_seconds()
         proc = subprocess.run([*command, *pytest_args], cwd=cwd, env=env, capture_output=True, text=True)
-        busy = (busy_ticks() - busy0) / os.sysconf("SC_CLK_TCK")
+        busy = busy_seconds() - busy0
         return SuiteRun(proc, read_lines(out), read_lines(log), busy)
 
 

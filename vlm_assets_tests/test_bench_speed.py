@@ -25,7 +25,7 @@ def test_the_report_gives_medians_ratios_and_a_crashed_baseline_suite_its_own_li
     new["suite"] = {"seconds": 1000.0, "summary": "1 passed in 990.00s", "busy_core_s": 1500.0, "floor_s": 750.0}
     new["suite"] |= {"tests": tests, "processes": processes, "run_busy_core_s": 2000.0}
 
-    text = bench_speed.report({"avx2": {"baseline abc": old, "this checkout": new}}, {"avx2": "AVX2"}, 3, True)
+    text = bench_speed.report({"avx2": {"baseline abc": old, "this checkout": new}}, {"avx2": "AVX2"})
     lines = text.splitlines()
     assert "| main_job, first run (s) | 520.0 | 260.0 | 0.50 |" in lines
     assert "Each pair's new / old: 0.52 0.46 0.54" in text
