@@ -360,7 +360,7 @@ def kill_mid_training_and_relaunch(
 
     from mlflow import MlflowClient
 
-    from vlm_assets.launch.local import alive, process_tree
+    from vlm_assets.launch.local import alive, process_tree, training_processes
 
     repo = Path(__file__).resolve().parents[1]
     (tmp_path / "dagster").mkdir()
@@ -400,6 +400,7 @@ def kill_mid_training_and_relaunch(
         while len(committed()) < checkpoints_before_kill and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert first.poll() is None, "the run ended before it could be killed"
+        assert len(committed()) >= checkpoints_before_kill, f"{checkpoints_before_kill} checkpoint(s) not committed"
         tree = process_tree(first.pid)
         first.kill()
         first.wait()
@@ -409,7 +410,9 @@ def kill_mid_training_and_relaunch(
         time.sleep(0.1)
     assert not [pid for pid in tree[1:] if alive(pid)], "a torchrun agent or worker outlived the killed step"
     assert len(tree) >= 5  # the step, 2 agents or 1 agent with 2 workers, and more
-    time.sleep(2)
+    # Nothing is left that could commit: the killed tree is gone, and so is any process on this test's
+    # files started after the tree was read.
+    assert not any(training_processes("", str(tmp_path)).values()), "a process on this test's files outlived the kill"
     assert committed() == at_kill, "a checkpoint was committed after the kill"
 
     killed = {}

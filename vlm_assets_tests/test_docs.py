@@ -153,7 +153,14 @@ def test_the_path_check_catches_what_is_not_there():
         "`checkpoints/<asset>/<hash>`, [assets](assets.md#profiles)"
     )
     problems, _ = doc_problems(doc, text)
-    assert len(problems) == 5, problems
+    assert problems == [
+        "docs/assets.md: `vlm_assets/defs/platform/nothing.py`: vlm_assets/defs/platform/nothing.py does not exist",
+        "docs/assets.md: `vlm_assets.defs.platform.memo.no_such_function`: "
+        "vlm_assets.defs.platform.memo.no_such_function: no_such_function is not in vlm_assets/defs/platform/memo.py",
+        "docs/assets.md: `missing_helper.py`: no file named missing_helper.py",
+        "docs/assets.md: link to no-such-page.md: no-such-page.md does not exist",
+        "docs/assets.md: link to assets.md#no-such-heading: assets.md has no heading #no-such-heading",
+    ]
 
 
 def test_the_readme_is_a_map():

@@ -33,7 +33,11 @@ def test_a_short_seeded_soak_loses_nothing(tmp_path, offline_data):
     command = [sys.executable, str(REPO / "bench" / "soak.py"), "--runs", "2", "--seed", "147278", "--ci"]
     command += ["--assets", "gpt_checkpoint", "visualchat_model", "--out", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "VLM_ASSETS_HOME"))}
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    try:  # below pytest's own 1200 s limit, so that a soak past it still shows its output
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1100)
+    except subprocess.TimeoutExpired as past:  # its output is bytes, whatever text= said
+        output = b"".join(x or b"" for x in (past.stdout, past.stderr)).decode(errors="replace")
+        pytest.fail(f"the soak ran past 1100 s:\n{output[-6000:]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads((tmp_path / "soak.json").read_text())["runs"]
     gpt_reference, chat_reference, gpt, chat = runs

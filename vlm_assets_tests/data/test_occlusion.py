@@ -55,11 +55,17 @@ def test_manifest_rows_are_balanced_and_complete(fmnist, tmp_path):
 )
 def test_boxes_stay_within_bounds_and_image(side_w, side_h, low, span, seed):
     bounds = BoxBounds(low, low + span)
+
+    def admits_a_box(side: int) -> bool:  # by trying every whole side, beside pixel_range's ceil and floor
+        return any(low * side - 1e-9 <= k <= (low + span) * side + 1e-9 for k in range(1, side + 1))
+
     try:
         boxes = sample_boxes(np.random.default_rng(seed), 64, side_w, side_h, bounds)
     except ValueError as err:  # a side too small to hold any box between the bounds
         assert "admits no box" in str(err)
+        assert not (admits_a_box(side_w) and admits_a_box(side_h)), (side_w, side_h)
         return
+    assert admits_a_box(side_w) and admits_a_box(side_h)
     w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
     assert (boxes[:, :2] >= 0).all() and (boxes[:, 2] <= side_w).all() and (boxes[:, 3] <= side_h).all()
     assert ((w / side_w >= bounds.min_fraction - 1e-9) & (w / side_w <= bounds.max_fraction + 1e-9)).all()

@@ -139,7 +139,11 @@ def test_train_only_image_folder_is_split_and_its_natural_imbalance_only_warns(e
     # reported and its imbalance is a warning, not a blocking failure.
     assert not balance.passed and balance.severity == dg.AssetCheckSeverity.WARN
     assert "no balanced subset asked for" in balance.description
-    assert all(e.passed for e in evaluations.values())
+    assert {name: e.passed for name, e in evaluations.items()} == {
+        "boxes_within_configured_bounds": True,
+        "counts_match_config": True,
+        "every_image_readable": True,
+    }
 
 
 def test_checks_guard_a_cached_artifact_that_was_damaged(embedded, offline_data):
@@ -250,7 +254,11 @@ def test_token_shards_on_s3_stream_back(embedded, offline_data, s3_bucket, s3_en
         bucket=bucket, prefix="vlm", cache_dir=str(tmp_path / "s3cache"), endpoint_url=s3_endpoint
     )
     result = embedded.materialize(TOKENS, tokens_config(offline_data), artifact_store=store)
-    assert all(checks_passed(result).values())
+    assert checks_passed(result) == {
+        "token_ids_within_vocab": True,
+        "token_counts_match_summary": True,
+        "every_shard_readable": True,
+    }
     ref = result.output_for_node("token_shards")
     assert ref.uri.startswith(f"s3://{bucket}/vlm/token_shards/")
 

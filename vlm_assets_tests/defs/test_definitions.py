@@ -107,7 +107,8 @@ def test_environment_switches(tmp_path, monkeypatch):
         else:
             raise AssertionError(f"{bad} accepted")
     assert profile({"VLM_ASSETS_PROFILE": "seed"}) == "seed" and profile({}) == "demo"
-    assert schedule_cron({}) == "0 3 * * *" and schedule_cron({"VLM_ASSETS_SCHEDULE_CRON": "*/5 * * * *"})
+    assert schedule_cron({}) == "0 3 * * *"
+    assert schedule_cron({"VLM_ASSETS_SCHEDULE_CRON": "*/5 * * * *"}) == "*/5 * * * *"
     with pytest.raises(ValueError, match="VLM_ASSETS_SCHEDULE_CRON='every day'"):
         schedule_cron({"VLM_ASSETS_SCHEDULE_CRON": "every day"})
     jobs = ["main_job", "gpt_job"]

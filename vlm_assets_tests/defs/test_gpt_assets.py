@@ -247,7 +247,8 @@ def test_a_timeout_then_a_longer_one_on_another_world_size_resumes_near_the_same
     one_process = {"num_nodes": 1, "nproc_per_node": 1}
     meta, checks = outcome(env.materialize(run_config(offline_data, timeout_s=600, parallelism=one_process)))
     assert meta["cache_key"] == ddp_run[2]["cache_key"] and meta["world_size"] == 1
-    assert meta["resumed_from_step"] == frozen["step"] and meta["steps"] == MAX_STEPS and all(checks.values())
+    assert meta["resumed_from_step"] == frozen["step"] and meta["steps"] == MAX_STEPS
+    assert checks == {"val_loss_beats_uniform": True, "export_reproduces_val_loss": True}
     assert meta["run_settings"]["timeout_s"] == 600
     resumed = json.loads((Path(meta["uri"]) / "history.json").read_text())
     assert [p["step"] for p in resumed["train"]] == list(range(1, MAX_STEPS + 1))
@@ -373,7 +374,7 @@ def test_k8s_launcher_trains_on_pods_and_a_killed_pod_is_retried_from_the_last_c
         pods = _pod_processes(1)
         assert at_kill and len(pods) == 1, (at_kill, pods, (tmp_path / "job.log").read_text()[-3000:])
         os.killpg(pods[0], signal.SIGKILL)  # the container's processes, as an OOM kill or a node failure
-        assert job.wait(timeout=400) == 0, (tmp_path / "job.log").read_text()[-5000:]
+        assert job.wait(timeout=BOUND_S) == 0, (tmp_path / "job.log").read_text()[-5000:]
     out = (tmp_path / "job.log").read_text()
     assert re.search(r"pod gpt-checkpoint-\w+-1 failed: container exit code -9", out), out[-5000:]
     assert "STEP_UP_FOR_RETRY" in out and "[node 1]" in out

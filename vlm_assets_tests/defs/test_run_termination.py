@@ -185,16 +185,19 @@ def test_a_sigkilled_run_worker_ends_its_workers_and_the_run_fails(dev):
     import dagster as dg
 
     from vlm_assets.defs.platform.run_launcher import run_worker
-    from vlm_assets.launch.local import alive
+    from vlm_assets.launch.local import alive, process_tree
 
     run_id = dev.launch()
     workers = dev.wait_for_training(checkpoints=1)
     with dg.DagsterInstance.from_config(str(dev.dagster_home)) as instance:
         pid, _ = run_worker(instance, run_id)
+    children = process_tree(pid)[1:]  # the step process, and with the local launcher its agent and workers
+    assert children, f"the run worker {pid} has no step process"
     os.kill(pid, signal.SIGKILL)
     if dev.launcher == "k8s":
         wait_until(lambda: not dev.pods(), "the sensor to delete the dead run's pods")
     wait_until(lambda: not any(alive(w) for w in workers), "the workers to die with the run worker (or their pods)")
+    wait_until(lambda: not any(alive(c) for c in children), "the run worker's step process and its children to end")
     status = wait_until(lambda: (s := dev.status(run_id)) != "STARTED" and s, "the run to be marked ended")
     assert status == "FAILURE"
     # The step's MLflow run, which no code of the killed step could end, is ended by the sensor.

@@ -78,11 +78,14 @@ def test_activation_checkpointing_changes_memory_not_math():
     apply_activation_checkpointing(wrapped)
     assert wrapped.state_dict().keys() == plain.state_dict().keys()  # checkpoints stay interchangeable
     ids = torch.randint(0, 50257, (2, 32))
-    losses = []
+    losses, calls = [], []
     for model in (plain, wrapped):
+        calls.append(0)
+        model.blocks[0].attn.register_forward_pre_hook(lambda *_: calls.__setitem__(-1, calls[-1] + 1))
         _, loss = model(ids, ids)
         loss.backward()
         losses.append(loss.item())
+    assert calls == [1, 2]  # the wrapped block's forward ran again in backward
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
     for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-6), name
