@@ -223,8 +223,11 @@ def main() -> None:
     )
     last = (proc.stdout.strip().splitlines() or [""])[-1]
     if proc.returncode != 0:
+        fd, log = tempfile.mkstemp(prefix="bench_suite_cpu-", suffix=".log")
+        with os.fdopen(fd, "w") as f:  # the failures' tracebacks come long before the output's tail
+            f.write(proc.stdout + proc.stderr)
         print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
-        sys.exit(f"the suite failed ({last}): its times would describe another suite")
+        sys.exit(f"the suite failed ({last}): its times would describe another suite; pytest's whole output: {log}")
     summary = summarize(rows, os.cpu_count() or 1)
     kernels = " ".join(f"{k}={v}" for k, v in results_file.KERNELS[args.kernels].items()) or "no kernel override"
     text = f"The suite's processes: {kernels}.\n\n" + markdown(summary, rows, args.top, processes, run_busy)
