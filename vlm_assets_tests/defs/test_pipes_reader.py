@@ -57,7 +57,7 @@ def test_a_message_written_in_pieces_is_read_whole(tmp_path, monkeypatch):
     handler, metadata, pieces = read_a_message_written_in_two_pieces(
         WholeLineFileMessageReader(path), path, monkeypatch
     )
-    assert len(pieces) == 2 and not pieces[0].endswith("\n")  # two reads, joined into one message
+    assert len(pieces) >= 2 and not pieces[0].endswith("\n")  # read in pieces, joined into one message
     assert handler.errors == [] and [m["params"] for m in handler.messages] == [metadata]
 
 

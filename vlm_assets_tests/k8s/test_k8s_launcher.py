@@ -108,7 +108,7 @@ def test_an_unschedulable_request_fails_after_the_pending_timeout_with_the_sched
     ) as failure:
         run_k8s(spec, settings(namespace, k8s_testbed.kubeconfig, pending_timeout_s=5), collect()[1])
     assert (failure.value.rule.cause, failure.value.retryable) == ("unschedulable", False)
-    assert time.monotonic() - started < spec.timeout_s  # the pending timeout ended it, not the launch's own
+    assert time.monotonic() - started < 60
 
 
 def _service_account_kubeconfig(k8s_testbed, namespace: str, role: dict, tmp_path: Path) -> Path:

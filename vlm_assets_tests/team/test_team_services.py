@@ -261,12 +261,13 @@ def test_runs_at_once_share_the_pool_survive_an_mlflow_restart_and_the_schedule_
         )
         assert team.status(main) == "STARTED", team.failure(main)
         checkpoint = main_steps(committed)[0]
-        # MLflow stays down until the trainer has reported a step's metrics after it went down: its Pipes
-        # logger writes them before its MLflow logger sends them, which then waits out the gap.
+        # MLflow stays down until the trainer has reported a step's metrics after it was stopped: its Pipes
+        # logger writes them before its MLflow logger sends them, which then waits out the gap (and holds
+        # the next report back: `before` is read before the stop, not after it).
         metrics = re.compile(r"step (\d+): ")
+        before = max([checkpoint, *main_steps(metrics)])
 
         def report_while_down() -> None:
-            before = max([checkpoint, *main_steps(metrics)])
             wait_until(
                 lambda: max(main_steps(metrics), default=0) > before or main_ended(),
                 f"the first gpt_job to report a step after {before} while MLflow is down",
