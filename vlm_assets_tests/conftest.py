@@ -286,6 +286,21 @@ class IsolatedEnv:
             return result
 
 
+# Every check of an asset passing, as ``checks_of`` reports it.
+TOKEN_SHARD_CHECKS_PASS = {
+    "token_ids_within_vocab": True,
+    "token_counts_match_summary": True,
+    "every_shard_readable": True,
+}
+GPT_CHECKS_PASS = {"val_loss_beats_uniform": True, "export_reproduces_val_loss": True}
+ADAPTER_AND_EVAL_CHECKS_PASS = {
+    "adapter_training_complete": True,
+    "adapter_weights_finite": True,
+    "adapter_accuracy_meets_threshold": True,
+    "adapter_gain_significant": True,
+}
+
+
 def checks_of(result, *assets: str) -> dict[str, bool]:
     """Check name -> passed, for the checks of ``assets`` in a run's result (each asset's checks run
     in its own step, so a run of a trainer also judges the data it was given)."""

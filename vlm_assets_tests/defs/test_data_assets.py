@@ -10,7 +10,13 @@ from mlflow.tracking import MlflowClient
 from vlm_assets.data.download import md5_file
 from vlm_assets.defs.data.occlusion_assets import occlusion_manifests
 from vlm_assets.defs.data.token_assets import token_shards
-from vlm_assets_tests.conftest import CIFAR10_CLASSES, real_cifar_images, serve_directory, write_cifar_tarball
+from vlm_assets_tests.conftest import (
+    CIFAR10_CLASSES,
+    TOKEN_SHARD_CHECKS_PASS,
+    real_cifar_images,
+    serve_directory,
+    write_cifar_tarball,
+)
 
 OCCLUSION = [occlusion_manifests]  # each asset's checks run in its own step
 TOKENS = [token_shards]
@@ -254,11 +260,7 @@ def test_token_shards_on_s3_stream_back(embedded, offline_data, s3_bucket, s3_en
         bucket=bucket, prefix="vlm", cache_dir=str(tmp_path / "s3cache"), endpoint_url=s3_endpoint
     )
     result = embedded.materialize(TOKENS, tokens_config(offline_data), artifact_store=store)
-    assert checks_passed(result) == {
-        "token_ids_within_vocab": True,
-        "token_counts_match_summary": True,
-        "every_shard_readable": True,
-    }
+    assert checks_passed(result) == TOKEN_SHARD_CHECKS_PASS
     ref = result.output_for_node("token_shards")
     assert ref.uri.startswith(f"s3://{bucket}/vlm/token_shards/")
 

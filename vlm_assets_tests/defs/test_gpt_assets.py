@@ -24,6 +24,7 @@ from vlm_assets.train.checkpoints import CHECKPOINT_FILE, latest_checkpoint
 from vlm_assets.train.gpt_config import PretrainConfig
 from vlm_assets.train.run_config import RunPaths, overlay, write_run_file
 from vlm_assets_tests.conftest import (
+    GPT_CHECKS_PASS,
     IsolatedEnv,
     checks_of,
     kill_mid_training_and_relaunch,
@@ -84,7 +85,7 @@ def ddp_run(tmp_path_factory, offline_data, mlflow_uri):
 def test_two_nodes_ddp_trains_well_below_uniform(ddp_run, mlflow_uri):
     env, result, meta, checks, history = ddp_run
     assert result.success and meta["cache"] == "miss"
-    assert checks == {"val_loss_beats_uniform": True, "export_reproduces_val_loss": True}
+    assert checks == GPT_CHECKS_PASS
     assert meta["steps"] == MAX_STEPS and meta["world_size"] == 2 and meta["resumed_from_step"] == -1
     assert (meta["precision"], meta["backend"]) == ("32-true", "gloo")  # bf16-mixed and nccl in the GPU twin
     assert meta["val_loss"] < UNIFORM - 2.5, meta["val_loss"]
@@ -133,7 +134,7 @@ def test_one_node_two_processes_fsdp2(tmp_path, offline_data, mlflow_uri):
         )
     )
     assert meta["strategy"] == "fsdp2" and meta["steps"] == MAX_STEPS
-    assert checks == {"val_loss_beats_uniform": True, "export_reproduces_val_loss": True}
+    assert checks == GPT_CHECKS_PASS
     assert meta["val_loss"] < UNIFORM - 2.5
 
 
@@ -248,7 +249,7 @@ def test_a_timeout_then_a_longer_one_on_another_world_size_resumes_near_the_same
     meta, checks = outcome(env.materialize(run_config(offline_data, timeout_s=600, parallelism=one_process)))
     assert meta["cache_key"] == ddp_run[2]["cache_key"] and meta["world_size"] == 1
     assert meta["resumed_from_step"] == frozen["step"] and meta["steps"] == MAX_STEPS
-    assert checks == {"val_loss_beats_uniform": True, "export_reproduces_val_loss": True}
+    assert checks == GPT_CHECKS_PASS
     assert meta["run_settings"]["timeout_s"] == 600
     resumed = json.loads((Path(meta["uri"]) / "history.json").read_text())
     assert [p["step"] for p in resumed["train"]] == list(range(1, MAX_STEPS + 1))

@@ -20,7 +20,7 @@ from vlm_assets.data.token_shards import paragraphs_of_files
 from vlm_assets.data.token_stream import token_dataset
 from vlm_assets.data.tokens import IGNORE_INDEX
 from vlm_assets.defs.data.token_assets import CHUNKS, token_chunks, token_shards
-from vlm_assets_tests.conftest import checks_of
+from vlm_assets_tests.conftest import TOKEN_SHARD_CHECKS_PASS, checks_of
 
 WORKS = [
     "sonnets_gut.txt",
@@ -128,11 +128,7 @@ def test_merged_chunks_equal_an_unpartitioned_build_and_a_changed_chunk_rebuilds
     )
     merged_meta, whole_meta = meta(merged, "token_shards"), meta(whole, "token_shards")
     assert merged_meta["partitions"] == len(WORKS) and whole_meta["partitions"] == 1
-    assert checks_of(merged, "token_shards") == {
-        "token_ids_within_vocab": True,
-        "token_counts_match_summary": True,
-        "every_shard_readable": True,
-    }
+    assert checks_of(merged, "token_shards") == TOKEN_SHARD_CHECKS_PASS
     merged_uri, whole_uri = (
         embedded.store.ref(merged_meta["cache_key"]).uri,
         embedded.store.ref(whole_meta["cache_key"]).uri,
