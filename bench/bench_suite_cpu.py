@@ -111,10 +111,14 @@ def kind(argv: list[str]) -> str:
 
 
 def by_kind(processes: list[dict]) -> list[dict]:
-    """Processes grouped by ``kind``, the most CPU first: how many, their CPU seconds in all and on average."""
+    """Processes grouped by ``kind``, the most CPU first: how many, their CPU seconds in all and on average.
+
+    A child that multiprocessing spawned carries its parent's arguments: it is its parent's kind plus
+    ": a multiprocessing child" (``dagster api grpc: a multiprocessing child`` is a run worker)."""
     groups: dict[str, list[float]] = collections.defaultdict(list)
     for p in processes:
-        groups[kind(p["argv"])].append(p["cpu_s"])
+        child = ": a multiprocessing child" if p.get("multiprocessing_child") else ""
+        groups[kind(p["argv"]) + child].append(p["cpu_s"])
     rows = [{"kind": k, "processes": len(v), "cpu_s": sum(v), "mean_cpu_s": sum(v) / len(v)} for k, v in groups.items()]
     return sorted(rows, key=lambda r: -r["cpu_s"])
 

@@ -12,6 +12,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import bench_suite_cpu  # noqa: E402
 
 TESTS = """
+import multiprocessing
 import subprocess
 import sys
 import time
@@ -27,6 +28,17 @@ def test_spins():
 def test_starts_a_trainer_like_child():
     spin = "import time\\nend = time.process_time() + 0.5\\nwhile time.process_time() < end: pass"
     subprocess.run([sys.executable, "-c", spin, "vlm_assets.train.gpt_pretrain", "--config"], check=True)
+
+def spin_a_little():
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+
+def test_spawns_a_child():  # as a code server starts a run worker
+    child = multiprocessing.get_context("spawn").Process(target=spin_a_little)
+    child.start()
+    child.join()
+    assert child.exitcode == 0
 """
 
 
@@ -36,19 +48,28 @@ def test_the_plugin_writes_each_tests_wall_time_and_busy_core_seconds_and_each_p
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = {r["test"]: r for r in rows}
     assert set(rows) == {
-        f"test_sample.py::{t}" for t in ("test_sleeps", "test_spins", "test_starts_a_trainer_like_child")
+        f"test_sample.py::{t}"
+        for t in ("test_sleeps", "test_spins", "test_starts_a_trainer_like_child", "test_spawns_a_child")
     }
     assert rows["test_sample.py::test_sleeps"]["wall_s"] >= 0.5
     # a second of this process's own CPU time, whatever else the machine did meanwhile
     assert rows["test_sample.py::test_spins"]["busy_core_s"] >= 0.9
 
     # the child logged its own half second under the test that started it; pytest its own second and more
-    (child,) = [p for p in processes if p["test"]]
-    assert child["test"] == "test_sample.py::test_starts_a_trainer_like_child" and 0.5 <= child["cpu_s"] < 1.0
     (runner,) = [p for p in processes if not p["test"]]
-    assert runner["cpu_s"] >= 1.0  # test_spins ran in it
+    assert runner["cpu_s"] >= 1.0 and "multiprocessing_child" not in runner  # test_spins ran in it
+    (child,) = [p for p in processes if p["test"] == "test_sample.py::test_starts_a_trainer_like_child"]
+    assert 0.5 <= child["cpu_s"] < 1.0
+    # multiprocessing gave the spawned child pytest's arguments: the log says it is a child
+    (spawned,) = [p for p in processes if p.get("multiprocessing_child")]
+    assert spawned["test"] == "test_sample.py::test_spawns_a_child" and spawned["argv"] == runner["argv"]
+    assert 0.3 <= spawned["cpu_s"] < 3.0  # its spin, and its start-up: the test module imported again
     kinds = {k["kind"]: k for k in bench_suite_cpu.by_kind(processes)}
-    assert set(kinds) == {"trainer gpt_pretrain", "pytest (the tests' own process)"}
+    assert set(kinds) - {"python -c"} == {  # (multiprocessing's resource tracker, when it logged before the end)
+        "trainer gpt_pretrain",
+        "pytest (the tests' own process)",
+        "pytest (the tests' own process): a multiprocessing child",
+    }
     assert kinds["trainer gpt_pretrain"]["processes"] == 1
     # the run's busy time spans every process's whole life (pytest's collection and start-up included)
     assert run_busy >= sum(p["cpu_s"] for p in processes) - 0.1

@@ -25,6 +25,11 @@ def _write() -> None:
         # pytest names the running test in its environment, which the test's subprocesses inherit
         "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
     }
+    # A child multiprocessing spawned (a code server's run worker, a multiprocess executor's step) carries
+    # its parent's argv: spawn restores it. Only such a child has a parent_process.
+    multiprocessing = sys.modules.get("multiprocessing")
+    if multiprocessing is not None and multiprocessing.parent_process() is not None:
+        row["multiprocessing_child"] = True
     try:
         with open(os.environ["BENCH_PROCESS_LOG"], "a") as log:
             log.write(json.dumps(row) + "\n")  # one write of a short line: whole, beside other processes'
