@@ -13,6 +13,7 @@ from vlm_assets.defs.data.token_assets import token_shards
 from vlm_assets_tests.conftest import (
     CIFAR10_CLASSES,
     TOKEN_SHARD_CHECKS_PASS,
+    checks_of,
     real_cifar_images,
     serve_directory,
     write_cifar_tarball,
@@ -57,16 +58,17 @@ def failure_message(result):
     return failures[0].step_failure_data.user_failure_data.description
 
 
-def checks_passed(result):
-    return {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
-
-
 def test_manifests_memoized_and_tracked(embedded, offline_data, mlflow_uri):
     first = embedded.materialize(OCCLUSION, fmnist_config(offline_data))
     meta = materialization(first).metadata
     assert meta["cache"].value == "miss" and meta["num_train"].value == 200
     assert meta["preview"].value.startswith("![first training images with their boxes](data:image/png;base64,")
-    assert all(checks_passed(first).values()) and len(checks_passed(first)) == 4
+    assert checks_of(first, "occlusion_manifests") == {
+        "boxes_within_configured_bounds": True,
+        "counts_match_config": True,
+        "every_class_present_and_balanced": True,
+        "every_image_readable": True,
+    }
 
     run = MlflowClient(mlflow_uri).get_run(meta["mlflow_run_id"].value)
     assert run.info.status == "FINISHED"
@@ -108,7 +110,7 @@ def test_cifar_tarball_over_http_and_a_failing_balance_check(embedded, offline_d
         )
     assert requests == ["/cifar-10-python.tar.gz"]
     assert materialization(result).metadata["dataset"].value == "CIFAR-10"
-    passed = checks_passed(result)
+    passed = checks_of(result, "occlusion_manifests")
     # the 20 real images hold no bird (2) and no deer (4): the balance check must fail, the rest pass
     assert passed == {
         "boxes_within_configured_bounds": True,
@@ -164,7 +166,7 @@ def test_checks_guard_a_cached_artifact_that_was_damaged(embedded, offline_data)
     second = embedded.materialize(OCCLUSION, fmnist_config(offline_data), raise_on_error=False)
     assert materialization(second).metadata["cache"].value == "hit"
     # two rows fewer keeps every class within the 10 % balance tolerance: that check still passes
-    assert checks_passed(second) == {
+    assert checks_of(second, "occlusion_manifests") == {
         "boxes_within_configured_bounds": False,
         "counts_match_config": False,
         "every_class_present_and_balanced": True,
@@ -222,7 +224,7 @@ def test_token_shards_asset_and_checks(embedded, offline_data):
     result = embedded.materialize(TOKENS, tokens_config(offline_data))
     meta = materialization(result, "token_shards").metadata
     assert meta["train_num_samples"].value == 400 and meta["val_num_tokens"].value == 40 * 128
-    assert all(checks_passed(result).values()) and len(checks_passed(result)) == 3
+    assert checks_of(result, "token_shards") == TOKEN_SHARD_CHECKS_PASS
     again = embedded.materialize(TOKENS, tokens_config(offline_data))
     assert materialization(again, "token_shards").metadata["cache"].value == "hit"
     # built: the checks judged the scan the build recorded; hit: the same scan after a size check
@@ -230,7 +232,7 @@ def test_token_shards_asset_and_checks(embedded, offline_data):
         assert {e.metadata["scan"].value for e in run.get_asset_check_evaluations()} == {
             "recorded when built (file sizes verified)"
         }
-    assert checks_passed(again) == checks_passed(result)
+    assert checks_of(again, "token_shards") == checks_of(result, "token_shards")
 
 
 @pytest.mark.parametrize(
@@ -260,7 +262,7 @@ def test_token_shards_on_s3_stream_back(embedded, offline_data, s3_bucket, s3_en
         bucket=bucket, prefix="vlm", cache_dir=str(tmp_path / "s3cache"), endpoint_url=s3_endpoint
     )
     result = embedded.materialize(TOKENS, tokens_config(offline_data), artifact_store=store)
-    assert checks_passed(result) == TOKEN_SHARD_CHECKS_PASS
+    assert checks_of(result, "token_shards") == TOKEN_SHARD_CHECKS_PASS
     ref = result.output_for_node("token_shards")
     assert ref.uri.startswith(f"s3://{bucket}/vlm/token_shards/")
 
