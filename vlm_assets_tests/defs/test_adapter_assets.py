@@ -304,7 +304,7 @@ def test_raised_threshold_reruns_the_check_only_and_blocks_registration(pipeline
     client = mlflow.MlflowClient(env.uri)
     before = client.get_model_version_by_alias("occlusion_adapter", "champion").version
     result = env.materialize(run_config(offline_data, min_accuracy=1.0), raise_on_error=False)
-    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    checks = checks_of(result, "eval_report")
     assert checks["adapter_accuracy_meets_threshold"] is False
     # The threshold is the check's own config: nothing was trained or evaluated again.
     assert meta(result, "occlusion_adapter")["cache"] == "hit" and meta(result, "eval_report")["cache"] == "hit"
@@ -463,7 +463,7 @@ def test_training_that_fails_for_good_materializes_a_partial_that_blocks(pipelin
     assert len([e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]) == 2
     adapter = meta(result, "occlusion_adapter")
     assert adapter["partial"] is True and adapter["epochs"] < 4
-    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    checks = checks_of(result, "occlusion_adapter")
     assert checks["adapter_training_complete"] is False
     assert meta(result, "eval_report") is None and meta(result, "registered_adapter") is None
     assert set(env.root.glob("artifacts/checkpoints/occlusion_adapter/*")) - before

@@ -195,7 +195,7 @@ def test_a_rerun_hits_the_cache_and_a_failing_vqa_check_keeps_the_alias(pipeline
     assert meta(again, "visualchat_model")["cache"] == "hit"
     assert meta(again, "registered_visualchat")["registry"] == "already current"
     strict = env.materialize(run_config(offline_data, models, min_exact_match=1.0), raise_on_error=False)
-    checks = {e.check_name: e.passed for e in strict.get_asset_check_evaluations()}
+    checks = checks_of(strict, "visualchat_model")
     assert checks["vqa_exact_match_meets_threshold"] is False and meta(strict, "visualchat_model")["cache"] == "hit"
     assert meta(strict, "registered_visualchat") is None  # blocked by the failed check
     mlflow.set_tracking_uri(env.uri)
