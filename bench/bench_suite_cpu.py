@@ -10,13 +10,19 @@ this file as a plugin (``-p bench_suite_cpu``), which appends one JSON line per 
 by ``BENCH_SUITE_CPU_OUT``. Every Python process of the suite also logs its own CPU seconds at exit
 (``process_log/sitecustomize.py``), which says what kind of process the busy time went to: trainers,
 run workers, servers, the tests' own process.
+
+``--beside ARGS`` asks whether two selections finish sooner at once, in two pytest processes, than in
+turn: each runs alone, then both together; the report gives each one's wall seconds both ways and the
+machine's busy core-seconds.
 """
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -194,21 +200,98 @@ class SuiteRun(NamedTuple):
     busy_core_s: float  # the machine's busy core-seconds from pytest's start to its exit
 
 
+def _suite_command(tmp: Path, kernels: dict, pytest_args: list[str], pythonpath: list[str | None]):
+    """The command and environment of a pytest run with this file as its plugin, and the files its tests
+    (``tmp/tests.jsonl``) and its Python processes (``tmp/processes.jsonl``) write their lines to."""
+    out, log = tmp / "tests.jsonl", tmp / "processes.jsonl"
+    env = {**os.environ, **kernels, "CUDA_VISIBLE_DEVICES": "", "BENCH_SUITE_CPU_OUT": str(out)}
+    env["BENCH_PROCESS_LOG"] = str(log)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "process_log"), *pythonpath]))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "bench_suite_cpu", "-p", "no:cacheprovider"]
+    return [*command, *pytest_args], env, out, log
+
+
 def run_suite(cwd: Path, kernels: dict, pytest_args: list[str], pythonpath: list[str | None]) -> SuiteRun:
     """Run pytest in ``cwd`` with this file as its plugin and log every Python process it starts.
 
     ``pythonpath`` lists PYTHONPATH's entries in order (``None`` entries left out); it must reach this file.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        out, log = Path(tmp) / "tests.jsonl", Path(tmp) / "processes.jsonl"
-        env = {**os.environ, **kernels, "CUDA_VISIBLE_DEVICES": "", "BENCH_SUITE_CPU_OUT": str(out)}
-        env["BENCH_PROCESS_LOG"] = str(log)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "process_log"), *pythonpath]))
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "bench_suite_cpu", "-p", "no:cacheprovider"]
+        command, env, out, log = _suite_command(Path(tmp), kernels, pytest_args, pythonpath)
         busy0 = busy_seconds()
-        proc = subprocess.run([*command, *pytest_args], cwd=cwd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
         busy = busy_seconds() - busy0
         return SuiteRun(proc, read_lines(out), read_lines(log), busy)
+
+
+class Lane(NamedTuple):
+    """One selection of ``run_at_once``: its run, and the wall seconds from the common start to its end."""
+
+    run: SuiteRun
+    wall_s: float
+
+
+def run_at_once(
+    cwd: Path, kernels: dict, selections: list[list[str]], pythonpath: list[str | None]
+) -> tuple[list[Lane], float]:
+    """Run each selection of pytest arguments in a pytest process of its own, all started together.
+
+    Returns a ``Lane`` per selection and the machine's busy core-seconds until the last one ended (each
+    lane's ``run.busy_core_s`` is that same machine-wide figure: the lanes' shares cannot be told apart).
+    """
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as files:
+        started, busy0, lanes = time.monotonic(), busy_seconds(), []
+        for i, args in enumerate(selections):
+            (folder := Path(tmp) / str(i)).mkdir()
+            command, env, out, log = _suite_command(folder, kernels, args, pythonpath)
+            output = files.enter_context(open(folder / "output", "w+"))
+            proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+            lanes.append((proc, output, out, log))
+        ended: dict[int, float] = {}
+        while len(ended) < len(lanes):
+            for i, (proc, *_) in enumerate(lanes):
+                if i not in ended and proc.poll() is not None:
+                    ended[i] = time.monotonic() - started
+            time.sleep(0.2)
+        busy = busy_seconds() - busy0
+        result = []
+        for i, (proc, output, out, log) in enumerate(lanes):
+            output.seek(0)
+            completed = subprocess.CompletedProcess(proc.args, proc.returncode, output.read(), "")
+            result.append(Lane(SuiteRun(completed, read_lines(out), read_lines(log), busy), ended[i]))
+        return result, busy
+
+
+def at_once_markdown(
+    selections: list[list[str]], alone: list[tuple[float, float]], lanes: list[Lane], busy: float
+) -> str:
+    """The report of ``--beside``: each selection's wall seconds alone and at once, the sum in turn against
+    the longest at once, and the busy core-seconds both ways. ``alone``: (wall, busy core-s) per selection."""
+    lines = [
+        "| selection | pytest arguments | alone: wall (s) | at once: wall (s) | at once / alone |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for i, (args, (wall, _), lane) in enumerate(zip(selections, alone, lanes)):
+        lines.append(f"| {i + 1} | `{shlex.join(args)}` | {wall:.0f} | {lane.wall_s:.0f} | {lane.wall_s / wall:.2f} |")
+    in_turn, at_once = sum(w for w, _ in alone), max(lane.wall_s for lane in lanes)
+    lines += [
+        "",
+        "| | in turn | at once | at once / in turn |",
+        "|---|---:|---:|---:|",
+        f"| wall (s): the sum alone, the longest at once | {in_turn:.0f} | {at_once:.0f} | {at_once / in_turn:.2f} |",
+        f"| busy core-seconds | {sum(b for _, b in alone):.0f} | {busy:.0f} | {busy / sum(b for _, b in alone):.2f} |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _failed(proc: subprocess.CompletedProcess) -> None:
+    """Exit naming the failed run and a file with its whole output."""
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    fd, log = tempfile.mkstemp(prefix="bench_suite_cpu-", suffix=".log")
+    with os.fdopen(fd, "w") as f:  # the failures' tracebacks come long before the output's tail
+        f.write(proc.stdout + proc.stderr)
+    print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
+    sys.exit(f"the suite failed ({last}): its times would describe another suite; pytest's whole output: {log}")
 
 
 def main() -> None:
@@ -218,29 +301,48 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", default="native", choices=sorted(results_file.KERNELS))
     parser.add_argument("--top", type=int, default=15, help="how many tests to list by idle core-seconds")
-    parser.add_argument("--write", action="store_true", help="write bench/results/suite-cpu_<machine>_<date>.*")
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="write bench/results/suite-cpu_<machine>_<date>.* (suite-at-once_... with --beside)",
+    )
+    parser.add_argument(
+        "--beside", metavar="ARGS", help="pytest arguments of a second selection: both alone, then both at once"
+    )
     parser.add_argument("pytest_args", nargs="*", help="after `--`: arguments for pytest (default: the CPU suite)")
     args = parser.parse_args()
     pythonpath = [str(HERE), os.environ.get("PYTHONPATH")]
-    proc, rows, processes, run_busy = run_suite(
-        REPO, results_file.KERNELS[args.kernels], args.pytest_args or ["-m", "not gpu"], pythonpath
-    )
-    last = (proc.stdout.strip().splitlines() or [""])[-1]
-    if proc.returncode != 0:
-        fd, log = tempfile.mkstemp(prefix="bench_suite_cpu-", suffix=".log")
-        with os.fdopen(fd, "w") as f:  # the failures' tracebacks come long before the output's tail
-            f.write(proc.stdout + proc.stderr)
-        print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
-        sys.exit(f"the suite failed ({last}): its times would describe another suite; pytest's whole output: {log}")
-    summary = summarize(rows, os.cpu_count() or 1)
-    kernels = " ".join(f"{k}={v}" for k, v in results_file.KERNELS[args.kernels].items()) or "no kernel override"
-    text = f"The suite's processes: {kernels}.\n\n" + markdown(summary, rows, args.top, processes, run_busy)
-    text += f"\nThe suite's last line: {last}\n"
+    kernels = results_file.KERNELS[args.kernels]
+    named = " ".join(f"{k}={v}" for k, v in kernels.items()) or "no kernel override"
+    selection = args.pytest_args or ["-m", "not gpu"]
+    if args.beside:
+        selections, alone = [selection, shlex.split(args.beside)], []
+        for pytest_args in selections:
+            started = time.monotonic()
+            run = run_suite(REPO, kernels, pytest_args, pythonpath)
+            if run.proc.returncode != 0:
+                _failed(run.proc)
+            alone.append((time.monotonic() - started, run.busy_core_s))
+        lanes, busy = run_at_once(REPO, kernels, selections, pythonpath)
+        for lane in lanes:
+            if lane.run.proc.returncode != 0:
+                _failed(lane.run.proc)
+        text = f"The suite's processes: {named}.\n\n" + at_once_markdown(selections, alone, lanes, busy)
+        what = "suite-at-once"
+        data = {"selections": selections, "alone": alone, "at_once": [lane.wall_s for lane in lanes], "busy": busy}
+    else:
+        proc, rows, processes, run_busy = run_suite(REPO, kernels, selection, pythonpath)
+        if proc.returncode != 0:
+            _failed(proc)
+        summary = summarize(rows, os.cpu_count() or 1)
+        text = f"The suite's processes: {named}.\n\n" + markdown(summary, rows, args.top, processes, run_busy)
+        text += f"\nThe suite's last line: {(proc.stdout.strip().splitlines() or [''])[-1]}\n"
+        what = "suite-cpu"
+        data = {"summary": summary, "tests": rows, "processes": by_kind(processes)}
     print(text)
     if args.write:
         head = results_file.header(" ".join(["bench/bench_suite_cpu.py", *sys.argv[1:]]))
-        data = {"summary": summary, "tests": rows, "processes": by_kind(processes)}
-        print(f"wrote {results_file.write('suite-cpu', head, text, data)}")
+        print(f"wrote {results_file.write(what, head, text, data)}")
 
 
 if __name__ == "__main__":

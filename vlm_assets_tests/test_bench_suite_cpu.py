@@ -76,6 +76,25 @@ def test_the_plugin_writes_each_tests_wall_time_and_busy_core_seconds_and_each_p
     assert run_busy > sum(r["busy_core_s"] for r in rows.values())
 
 
+def test_two_selections_run_at_once_each_in_its_own_pytest_and_the_report_compares_them_with_in_turn(tmp_path):
+    (tmp_path / "test_sample.py").write_text(TESTS)
+    selections = [["test_sample.py::test_sleeps"], ["test_sample.py::test_spins"]]
+    lanes, busy = bench_suite_cpu.run_at_once(tmp_path, {}, selections, [str(REPO / "bench")])
+    assert [lane.run.proc.returncode for lane in lanes] == [0, 0], [lane.run.proc.stdout[-2000:] for lane in lanes]
+    assert [[r["test"] for r in lane.run.tests] for lane in lanes] == [
+        [f"test_sample.py::{t}"] for t in ("test_sleeps", "test_spins")
+    ]
+    # each lane's wall spans its pytest's start-up and its test; the spin's second of CPU is in the busy time
+    assert all(lane.wall_s > lane.run.tests[0]["wall_s"] for lane in lanes) and lanes[0].wall_s >= 0.5
+    assert busy >= 1.0 and all(lane.run.busy_core_s == busy for lane in lanes)
+    # the report, from known figures: alone 4 s and 6 s (3 and 5 busy core-s), at once 5 s and 9 s (12)
+    timed = [lane._replace(wall_s=wall) for lane, wall in zip(lanes, (5.0, 9.0))]
+    report = bench_suite_cpu.at_once_markdown(selections, [(4.0, 3.0), (6.0, 5.0)], timed, 12.0)
+    assert "| 1 | `test_sample.py::test_sleeps` | 4 | 5 | 1.25 |" in report
+    assert "| wall (s): the sum alone, the longest at once | 10 | 9 | 0.90 |" in report
+    assert "| busy core-seconds | 8 | 12 | 1.50 |" in report
+
+
 def test_the_floor_packs_the_busy_core_seconds_onto_every_core():
     rows = [
         {"test": "a.py::x", "wall_s": 10.0, "busy_core_s": 20.0},  # both cores busy
