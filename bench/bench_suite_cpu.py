@@ -284,9 +284,14 @@ def at_once_markdown(
     return "\n".join(lines) + "\n"
 
 
+def _last_line(proc: subprocess.CompletedProcess) -> str:
+    """The last line pytest printed: its summary of passes and failures."""
+    return (proc.stdout.strip().splitlines() or [""])[-1]
+
+
 def _failed(proc: subprocess.CompletedProcess) -> None:
     """Exit naming the failed run and a file with its whole output."""
-    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    last = _last_line(proc)
     fd, log = tempfile.mkstemp(prefix="bench_suite_cpu-", suffix=".log")
     with os.fdopen(fd, "w") as f:  # the failures' tracebacks come long before the output's tail
         f.write(proc.stdout + proc.stderr)
@@ -336,7 +341,7 @@ def main() -> None:
             _failed(proc)
         summary = summarize(rows, os.cpu_count() or 1)
         text = f"The suite's processes: {named}.\n\n" + markdown(summary, rows, args.top, processes, run_busy)
-        text += f"\nThe suite's last line: {(proc.stdout.strip().splitlines() or [''])[-1]}\n"
+        text += f"\nThe suite's last line: {_last_line(proc)}\n"
         what = "suite-cpu"
         data = {"summary": summary, "tests": rows, "processes": by_kind(processes)}
     print(text)

@@ -70,9 +70,13 @@ class Reporter:
             yield cls(rank, pipes, tracking_uri, run_id)
 
     def loggers(self) -> list[Logger]:
-        """Return Lightning loggers for the trainer (the same list on every rank; Lightning logs on rank 0)."""
+        """Return Lightning loggers for the trainer: Pipes on every rank, MLflow's on rank 0 only.
+
+        Lightning logs on rank 0 alone; on another rank the MLflow logger would only cost its import and client
+        (about 2 s of CPU in each process).
+        """
         loggers: list[Logger] = [PipesLogger(self)]
-        if self.tracking_uri and self.run_id:
+        if self.rank == 0 and self.tracking_uri and self.run_id:
             loggers.append(StepRunMLFlowLogger(tracking_uri=self.tracking_uri, run_id=self.run_id))
         return loggers
 

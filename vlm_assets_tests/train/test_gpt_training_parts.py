@@ -106,3 +106,16 @@ def test_hf_export_gives_our_logits_through_transformers_alone(tmp_path):
         out = theirs(input_ids=ids, labels=ids)
     assert torch.allclose(ours_logits, out.logits, atol=1e-4)
     assert ours_loss.item() == pytest.approx(out.loss.item(), abs=1e-5)
+
+
+def test_only_rank_0_logs_to_the_mlflow_run(tmp_path):
+    from mlflow import MlflowClient
+
+    from vlm_assets.train.reporting import PipesLogger, Reporter, StepRunMLFlowLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("parts")).info.run_id
+    kinds = {rank: [type(logger) for logger in Reporter(rank, None, uri, run_id).loggers()] for rank in (0, 1)}
+    assert kinds == {0: [PipesLogger, StepRunMLFlowLogger], 1: [PipesLogger]}
+    assert [type(logger) for logger in Reporter(0, None, None, None).loggers()] == [PipesLogger]
