@@ -64,15 +64,23 @@ def suite(code: Path, kernels: dict) -> dict:
     the busy core-seconds and floor ``bench_suite_cpu.py`` accounts (this checkout's plugin in both runs)."""
     started = time.perf_counter()
     proc, rows, processes, run_busy = bench_suite_cpu.run_suite(
-        code, kernels, ["-m", "not gpu"], [str(code), str(HERE)]
+        code, kernels, ["-m", "not gpu", "-rfE"], [str(code), str(HERE)]
     )
     seconds = time.perf_counter() - started
     last = (proc.stdout.strip().splitlines() or [""])[-1]
+    # -rfE's short summary: one line per failed or erroring test, with the first line of its error
+    failures = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    if proc.returncode != 0:  # the tracebacks come long before the output's tail: keep all of it
+        fd, log = tempfile.mkstemp(prefix="bench_speed-suite-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(proc.stdout + proc.stderr)
+        print(f"the suite of {code} failed ({last}); pytest's whole output: {log}", file=sys.stderr)
     cpu = bench_suite_cpu.summarize(rows, os.cpu_count() or 1) if rows else {}
     return {
         "seconds": seconds,
         "returncode": proc.returncode,
         "summary": last,
+        "failures": failures,
         "busy_core_s": cpu.get("busy_core_s"),
         "floor_s": cpu.get("floor_s"),
         "tests": rows,
@@ -131,6 +139,10 @@ def report(results: dict, ran: dict) -> str:
         if with_suite:
             lines.append(f"| suite's last line | {old['suite']['summary']} | {new['suite']['summary']} | |")
         lines.append("")
+        if with_suite:
+            for name, run in ((old_name, old), (new_name, new)):
+                if run["suite"].get("failures"):
+                    lines += [f"{name}'s failed tests:", "", *(f"- `{f}`" for f in run["suite"]["failures"]), ""]
         if with_suite:
             if new["suite"]["tests"]:
                 lines += busiest(old["suite"]["tests"], new["suite"]["tests"])

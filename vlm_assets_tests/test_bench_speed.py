@@ -1,5 +1,5 @@
 """bench/bench_speed.py's report: old against new per kernel set, the median of repeated main_job runs, and
-a baseline suite that crashed before its first test still reported beside the new one."""
+a baseline suite that crashed before its first test still reported beside the new one, with its failures."""
 
 import sys
 from pathlib import Path
@@ -19,7 +19,7 @@ def test_the_report_gives_medians_ratios_and_a_crashed_baseline_suite_its_own_li
     new = _main_job([260.0, 250.0, 280.0], gpt=60.0, gain=0.117)
     # the baseline's pytest died at collection: no test rows, no process lines, no busy figures
     old["suite"] = {"seconds": 12.0, "summary": "1 error in 11.00s", "busy_core_s": None, "floor_s": None}
-    old["suite"] |= {"tests": [], "processes": [], "run_busy_core_s": 20.0}
+    old["suite"] |= {"tests": [], "processes": [], "run_busy_core_s": 20.0, "failures": ["ERROR a.py - ImportError"]}
     tests = [{"test": "a.py::t", "wall_s": 900.0, "busy_core_s": 1500.0}]
     processes = [{"kind": "trainer gpt_pretrain", "processes": 4, "cpu_s": 600.0, "mean_cpu_s": 150.0}]
     new["suite"] = {"seconds": 1000.0, "summary": "1 passed in 990.00s", "busy_core_s": 1500.0, "floor_s": 750.0}
@@ -36,3 +36,6 @@ def test_the_report_gives_medians_ratios_and_a_crashed_baseline_suite_its_own_li
     # the new suite's kinds, shared out of the whole run's busy time (2000), not the tests' (1500)
     assert "| trainer gpt_pretrain | 4 | 600 | 150.0 | 30% |" in lines
     assert lines.count("baseline abc:") == 0 and lines.count("this checkout:") == 1
+    # the failed suite's -rfE lines are listed; the passing one gets no such list
+    assert "baseline abc's failed tests:" in lines and "- `ERROR a.py - ImportError`" in lines
+    assert "this checkout's failed tests:" not in lines
