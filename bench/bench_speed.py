@@ -67,13 +67,11 @@ def suite(code: Path, kernels: dict) -> dict:
         code, kernels, ["-m", "not gpu", "-rfE"], [str(code), str(HERE)]
     )
     seconds = time.perf_counter() - started
-    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    last = bench_suite_cpu.last_line(proc)
     # -rfE's short summary: one line per failed or erroring test, with the first line of its error
     failures = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
-    if proc.returncode != 0:  # the tracebacks come long before the output's tail: keep all of it
-        fd, log = tempfile.mkstemp(prefix="bench_speed-suite-", suffix=".log")
-        with os.fdopen(fd, "w") as f:
-            f.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        log = bench_suite_cpu.save_output(proc, "bench_speed-suite-")
         print(f"the suite of {code} failed ({last}); pytest's whole output: {log}", file=sys.stderr)
     cpu = bench_suite_cpu.summarize(rows, os.cpu_count() or 1) if rows else {}
     return {
@@ -143,7 +141,6 @@ def report(results: dict, ran: dict) -> str:
             for name, run in ((old_name, old), (new_name, new)):
                 if run["suite"].get("failures"):
                     lines += [f"{name}'s failed tests:", "", *(f"- `{f}`" for f in run["suite"]["failures"]), ""]
-        if with_suite:
             if new["suite"]["tests"]:
                 lines += busiest(old["suite"]["tests"], new["suite"]["tests"])
             for name, run in ((old_name, old), (new_name, new)):

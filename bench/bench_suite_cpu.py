@@ -284,19 +284,29 @@ def at_once_markdown(
     return "\n".join(lines) + "\n"
 
 
-def _last_line(proc: subprocess.CompletedProcess) -> str:
+def last_line(proc: subprocess.CompletedProcess) -> str:
     """The last line pytest printed: its summary of passes and failures."""
     return (proc.stdout.strip().splitlines() or [""])[-1]
 
 
+def save_output(proc: subprocess.CompletedProcess, prefix: str) -> str:
+    """Write a run's whole output to a new temporary file and return its path.
+
+    A failed suite's tracebacks come long before the output's tail.
+    """
+    fd, log = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    return log
+
+
 def _failed(proc: subprocess.CompletedProcess) -> None:
     """Exit naming the failed run and a file with its whole output."""
-    last = _last_line(proc)
-    fd, log = tempfile.mkstemp(prefix="bench_suite_cpu-", suffix=".log")
-    with os.fdopen(fd, "w") as f:  # the failures' tracebacks come long before the output's tail
-        f.write(proc.stdout + proc.stderr)
+    log = save_output(proc, "bench_suite_cpu-")
     print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
-    sys.exit(f"the suite failed ({last}): its times would describe another suite; pytest's whole output: {log}")
+    sys.exit(
+        f"the suite failed ({last_line(proc)}): its times would describe another suite; pytest's whole output: {log}"
+    )
 
 
 def main() -> None:
@@ -341,7 +351,7 @@ def main() -> None:
             _failed(proc)
         summary = summarize(rows, os.cpu_count() or 1)
         text = f"The suite's processes: {named}.\n\n" + markdown(summary, rows, args.top, processes, run_busy)
-        text += f"\nThe suite's last line: {_last_line(proc)}\n"
+        text += f"\nThe suite's last line: {last_line(proc)}\n"
         what = "suite-cpu"
         data = {"summary": summary, "tests": rows, "processes": by_kind(processes)}
     print(text)
