@@ -59,38 +59,57 @@ def capability(kernels: dict) -> str:
     return proc.stdout.strip() or f"unknown ({proc.stderr.strip()[-200:]})"
 
 
+def lanes(code: Path) -> list[list[str]]:
+    """The pytest selections that ``code``'s scripts/test.sh runs at once: the main lane and the tests marked
+    `beside` where its pyproject.toml declares that marker, else the one selection."""
+    if '"beside:' in (code / "pyproject.toml").read_text():
+        return [["-m", "not gpu and not beside"], ["-m", "not gpu and beside"]]
+    return [["-m", "not gpu"]]
+
+
 def suite(code: Path, kernels: dict) -> dict:
-    """Wall seconds of the CPU suite of ``code`` (its own tests, this environment), its closing line, and
-    the busy core-seconds and floor ``bench_suite_cpu.py`` accounts (this checkout's plugin in both runs)."""
+    """Wall seconds of the CPU suite of ``code`` (its own tests, this environment, in its lanes), its closing
+    lines, and the machine's busy core-seconds and floor from start to end (this checkout's plugin in both runs)."""
+    selections = [[*lane, "-rfE"] for lane in lanes(code)]
+    pythonpath = [str(code), str(HERE)]
     started = time.perf_counter()
-    proc, rows, processes, run_busy = bench_suite_cpu.run_suite(
-        code, kernels, ["-m", "not gpu", "-rfE"], [str(code), str(HERE)]
-    )
+    if len(selections) == 1:
+        runs = [bench_suite_cpu.run_suite(code, kernels, selections[0], pythonpath)]
+    else:
+        runs = [lane.run for lane in bench_suite_cpu.run_at_once(code, kernels, selections, pythonpath)[0]]
     seconds = time.perf_counter() - started
-    last = bench_suite_cpu.last_line(proc)
-    # -rfE's short summary: one line per failed or erroring test, with the first line of its error
-    failures = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
-    if proc.returncode != 0:
-        log = bench_suite_cpu.save_output(proc, "bench_speed-suite-")
-        print(f"the suite of {code} failed ({last}); pytest's whole output: {log}", file=sys.stderr)
-    cpu = bench_suite_cpu.summarize(rows, os.cpu_count() or 1) if rows else {}
+    summary, failures, returncode = [], [], 0
+    for run in runs:
+        summary.append(last := bench_suite_cpu.last_line(run.proc))
+        # -rfE's short summary: one line per failed or erroring test, with the first line of its error
+        failures += [line for line in run.proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+        if run.proc.returncode != 0:
+            returncode = returncode or run.proc.returncode
+            log = bench_suite_cpu.save_output(run.proc, "bench_speed-suite-")
+            print(f"the suite of {code} failed ({last}); pytest's whole output: {log}", file=sys.stderr)
+    busy = runs[0].busy_core_s  # machine-wide: the same figure for lanes that ran at once
     return {
         "seconds": seconds,
-        "returncode": proc.returncode,
-        "summary": last,
+        "returncode": returncode,
+        "summary": " / ".join(summary),
+        "lanes": [" ".join(s) for s in selections],
         "failures": failures,
-        "busy_core_s": cpu.get("busy_core_s"),
-        "floor_s": cpu.get("floor_s"),
-        "tests": rows,
-        "processes": bench_suite_cpu.by_kind(processes),
-        "run_busy_core_s": run_busy,
+        "busy_core_s": busy,
+        "floor_s": busy / (os.cpu_count() or 1),
+        "tests": [row for run in runs for row in run.tests],
+        "processes": bench_suite_cpu.by_kind([p for run in runs for p in run.processes]),
+        "run_busy_core_s": busy,
     }
 
 
 def busiest(old: list[dict], new: list[dict], top: int = 12) -> list[str]:
     """A table of this checkout's ``top`` tests by busy core-seconds, each beside the same test's in the old run."""
     before = {r["test"]: r for r in old}
-    lines = [f"This checkout's {top} tests with the most busy core-seconds (the old run's where it has the test):", ""]
+    lines = [
+        f"This checkout's {top} tests with the most busy core-seconds (the old run's where it has the test;"
+        " the machine's, so a test's figure includes what a lane beside it used):",
+        "",
+    ]
     lines += ["| test | busy core-s, old | busy core-s, new | wall (s), new |", "|---|---:|---:|---:|"]
     for r in sorted(new, key=lambda r: -r["busy_core_s"])[:top]:
         was = f"{before[r['test']]['busy_core_s']:.0f}" if r["test"] in before else "-"

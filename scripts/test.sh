@@ -28,8 +28,25 @@ deadline=()
 if [ -n "${VLM_TEST_DEADLINE:-}" ]; then deadline=(--session-timeout "$(( VLM_TEST_DEADLINE - $(date +%s) ))"); fi
 # The CPU tests run with every GPU hidden, on the paths CI runs (gloo, fp32, their tolerances), also on
 # a CUDA machine; there the gpu-marked twins run after them, and a skip among those fails.
+# The tests that mostly wait (the `beside` marker, conftest.py) run in a second pytest process beside the
+# rest, its report printed after theirs. Arguments that select tests (a path, -m, -k) run one process.
 status=0
-CUDA_VISIBLE_DEVICES="" python -m pytest -m "not gpu" "${deadline[@]}" -p no:cacheprovider "$@" || status=$?
+cpu_pytest=(env CUDA_VISIBLE_DEVICES="" python -m pytest "${deadline[@]}" -p no:cacheprovider)
+lanes=1
+for arg in "$@"; do case "$arg" in -m|-k|-m*|-k*|[!-]*) lanes=0 ;; esac; done
+if [ "$lanes" = 1 ]; then
+  beside_log="$(mktemp --tmpdir vlm-tests-beside.XXXXXX)"
+  "${cpu_pytest[@]}" -m "not gpu and beside" "$@" > "$beside_log" 2>&1 &
+  beside=$!
+  "${cpu_pytest[@]}" -m "not gpu and not beside" "$@" || status=$?
+  beside_status=0
+  wait "$beside" || beside_status=$?
+  echo "=== the tests run beside (-m beside, vlm_assets_tests/conftest.py's BESIDE) ==="
+  cat "$beside_log" && rm -f "$beside_log"
+  [ "$beside_status" = 0 ] || status=$beside_status
+else
+  "${cpu_pytest[@]}" -m "not gpu" "$@" || status=$?
+fi
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   VLM_TESTS_FAIL_ON_SKIP=1 python -m pytest -m gpu -p no:cacheprovider "$@" || status=$?
 fi

@@ -39,11 +39,40 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# Modules (paths under vlm_assets_tests/) whose tests mostly wait, on daemon ticks, servers, leases and
+# installs, rather than compute. scripts/test.sh runs them (the `beside` marker) in a second pytest process
+# beside the rest, whose training fills the cores they leave idle (bench/bench_suite_cpu.py --beside
+# measures a split). A test that uses the k8s testbed stays in the main lane wherever its module is: the
+# control plane listens on fixed ports, so only one process may start it.
+BESIDE = (
+    "team/",
+    "defs/test_run_termination.py",
+    "defs/test_concurrent_runs.py",
+    "defs/test_pool_wait.py",
+    "storage/test_artifact_stores.py",
+    "launch/test_retry_rule.py",
+    "test_gpu_kit.py",
+)
+
+
+def _module(item, here: Path) -> str:
+    """The item's file as a path under ``here``; empty for a file outside it."""
+    return item.path.relative_to(here).as_posix() if item.path.is_relative_to(here) else ""
+
+
+@pytest.hookimpl(tryfirst=True)  # the markers it adds must be there when `-m` deselects
 def pytest_collection_modifyitems(items):
-    """The modules that use the k8s testbed run last, each whole (its module fixtures are built once):
-    on a fresh machine scripts/test.sh builds the testbed (minutes of Go, at the lowest CPU priority)
-    beside the other tests, and the control plane, once started, runs until the session ends."""
-    k8s = {item.path for item in items if "k8s_testbed" in item.fixturenames or item.get_closest_marker("k8s")}
+    """Mark the testbed's users `k8s` and the waiting modules' other tests `beside`; the modules that use
+    the k8s testbed run last, each whole (its module fixtures are built once): on a fresh machine
+    scripts/test.sh builds the testbed (minutes of Go, at the lowest CPU priority) beside the other
+    tests, and the control plane, once started, runs until the session ends."""
+    here = Path(__file__).parent
+    for item in items:
+        if "k8s_testbed" in item.fixturenames:
+            item.add_marker(pytest.mark.k8s)
+        elif not item.get_closest_marker("k8s") and _module(item, here).startswith(BESIDE):
+            item.add_marker(pytest.mark.beside)
+    k8s = {item.path for item in items if item.get_closest_marker("k8s")}
     items.sort(key=lambda item: item.path in k8s)
 
 
