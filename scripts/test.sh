@@ -7,8 +7,8 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The k8s tests' control plane is compiled from Debian's kubernetes source package when it is not
 # cached (5-6 minutes of both cores, once; vlm_assets_tests/k8s/testbed/README.md): started now, beside
 # the install and the tests, at the lowest CPU priority, so that it takes only the CPU they leave idle.
-# The k8s tests run last (conftest.py); their fixture waits on the same lock (the build then has the
-# machine to itself) and finds the binaries built.
+# The k8s tests run last in their lane (conftest.py); their fixture waits on the same lock and finds the
+# binaries built.
 testbed_lock="${XDG_CACHE_HOME:-$HOME/.cache}/k8s-testbed/build.lock"
 mkdir -p "$(dirname "$testbed_lock")"
 (flock "$testbed_lock" nice -n 19 timeout 60m "$repo/vlm_assets_tests/k8s/testbed/build.sh" \

@@ -41,9 +41,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 # Modules (paths under vlm_assets_tests/) whose tests mostly wait, on daemon ticks, servers, leases and
 # installs, rather than compute. scripts/test.sh runs them (the `beside` marker) in a second pytest process
-# beside the rest, whose training fills the cores they leave idle (bench/bench_suite_cpu.py --beside
-# measures a split). A test that uses the k8s testbed stays in the main lane wherever its module is: the
-# control plane listens on fixed ports, so only one process may start it.
+# beside the rest, whose training fills the cores they leave idle (bench/bench_speed.py --suite measures
+# the suite in its lanes). The modules that use the k8s testbed join them, last: its control plane listens
+# on fixed ports, so only one process may start it, and their tests wait on pods much of the time.
 BESIDE = (
     "team/",
     "defs/test_run_termination.py",
@@ -62,17 +62,18 @@ def _module(item, here: Path) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # the markers it adds must be there when `-m` deselects
 def pytest_collection_modifyitems(items):
-    """Mark the testbed's users `k8s` and the waiting modules' other tests `beside`; the modules that use
-    the k8s testbed run last, each whole (its module fixtures are built once): on a fresh machine
-    scripts/test.sh builds the testbed (minutes of Go, at the lowest CPU priority) beside the other
-    tests, and the control plane, once started, runs until the session ends."""
-    here = Path(__file__).parent
+    """Mark the testbed's users `k8s`, and `beside` the tests of BESIDE's modules and of every module that
+    uses the testbed. Those modules run last, each whole (its module fixtures are built once): on a fresh
+    machine scripts/test.sh builds the testbed (minutes of Go, at the lowest CPU priority) beside the
+    other tests, and the control plane, once started, runs until the session ends."""
     for item in items:
         if "k8s_testbed" in item.fixturenames:
             item.add_marker(pytest.mark.k8s)
-        elif not item.get_closest_marker("k8s") and _module(item, here).startswith(BESIDE):
-            item.add_marker(pytest.mark.beside)
     k8s = {item.path for item in items if item.get_closest_marker("k8s")}
+    here = Path(__file__).parent
+    for item in items:
+        if item.path in k8s or _module(item, here).startswith(BESIDE):
+            item.add_marker(pytest.mark.beside)
     items.sort(key=lambda item: item.path in k8s)
 
 

@@ -1,6 +1,6 @@
-"""scripts/test.sh's two lanes: the `beside` lane holds the waiting modules' tests but no user of the k8s
-testbed (whose control plane listens on fixed ports: one process may start it), and the lanes' selections,
-as bench/bench_speed.py reads them from pyproject.toml, split the CPU suite between them."""
+"""scripts/test.sh's two lanes: the `beside` lane holds the waiting modules and every user of the k8s
+testbed (whose control plane listens on fixed ports: one process may start it), last; the main lane none
+of them. bench/bench_speed.py reads the lanes' selections from pyproject.toml."""
 
 import subprocess
 import sys
@@ -20,15 +20,16 @@ def _collected(marks: str) -> list[str]:
     return [line for line in proc.stdout.splitlines() if "::" in line]
 
 
-def test_the_beside_lane_holds_the_waiting_modules_but_not_the_testbeds_users():
+def test_the_beside_lane_holds_the_waiting_modules_and_the_testbeds_users_last():
     main, beside = bench_speed.lanes(REPO)
     assert main == ["-m", "not gpu and not beside"] and beside == ["-m", "not gpu and beside"]
     ids = _collected(beside[1])
-    modules = {i.split("::")[0].removeprefix("vlm_assets_tests/") for i in ids}
-    # every module of BESIDE has tests there, and nothing else does
-    assert {prefix for prefix in BESIDE if any(m.startswith(prefix) for m in modules)} == set(BESIDE), modules
-    assert all(m.startswith(BESIDE) for m in modules), modules
-    # run_termination's `dev` fixture is parametrized local / k8s: only the local half runs beside
-    termination = [i for i in ids if "test_run_termination.py" in i]
-    assert termination and all(i.endswith("[local]") for i in termination), termination
-    assert not [i for i in ids if "k8s" in i.split("::")[-1]], ids
+    modules = list(dict.fromkeys(i.split("::")[0].removeprefix("vlm_assets_tests/") for i in ids))
+    testbed = ["defs/test_gpt_assets.py", "defs/test_run_termination.py", "k8s/test_k8s_launcher.py"]
+    assert set(modules) == {m for m in modules if m.startswith(BESIDE)} | set(testbed), modules
+    assert all(any(m.startswith(prefix) for m in modules) for prefix in BESIDE), modules
+    assert sorted(modules[-len(testbed) :]) == testbed, modules  # the testbed's users last
+    assert [i for i in ids if i.endswith("[k8s]")], ids  # run_termination's k8s half came with its module
+    in_main = _collected(main[1])
+    assert in_main and not [i for i in in_main if i.split("::")[0].removeprefix("vlm_assets_tests/") in testbed]
+    assert not [i for i in in_main if i.endswith("[k8s]")], in_main
