@@ -1,8 +1,9 @@
 """This checkout against an earlier commit, side by side on this machine: the first `main_job` on a fresh
 embedded default (wall time and each step's) and, with ``--suite``, the whole CPU test suite, once per
 kernel set (``native``; ``avx2`` makes an AVX-512 CPU use its AVX2 kernels, as the slowest machines of
-this kind do). Ratios are new / old in the same run. Each suite runs with ``bench_suite_cpu.py`` as a
-plugin, which adds its busy core-seconds and floor: whether a change cut work or only idle time.
+this kind do). Ratios are new / old in the same run. Each suite runs in the lanes its commit's
+scripts/test.sh runs at once, with ``bench_suite_cpu.py`` as a plugin; the machine's busy core-seconds and
+floor over the whole run say whether a change cut work or only idle time.
 
     python bench/bench_speed.py --baseline REV                    # main_job, native kernels
     python bench/bench_speed.py --baseline REV --kernels native avx2 --suite --write
