@@ -36,6 +36,8 @@ lanes=1
 for arg in "$@"; do case "$arg" in -m|-k|-m*|-k*|[!-]*) lanes=0 ;; esac; done
 if [ "$lanes" = 1 ]; then
   beside_log="$(mktemp --tmpdir vlm-tests-beside.XXXXXX)"
+  # a background job ignores the terminal's Ctrl-C: the lane ends with this script, however it ends
+  trap '[ -z "${beside:-}" ] || kill "$beside" 2>/dev/null || true' EXIT
   "${cpu_pytest[@]}" -m "not gpu and beside" "$@" > "$beside_log" 2>&1 &
   beside=$!
   "${cpu_pytest[@]}" -m "not gpu and not beside" "$@" || status=$?
