@@ -74,10 +74,7 @@ def suite(code: Path, kernels: dict) -> dict:
     selections = [[*lane, "-rfE"] for lane in lanes(code)]
     pythonpath = [str(code), str(HERE)]
     started = time.perf_counter()
-    if len(selections) == 1:
-        runs = [bench_suite_cpu.run_suite(code, kernels, selections[0], pythonpath)]
-    else:
-        runs = [lane.run for lane in bench_suite_cpu.run_at_once(code, kernels, selections, pythonpath)[0]]
+    runs = [lane.run for lane in bench_suite_cpu.run_at_once(code, kernels, selections, pythonpath)[0]]
     seconds = time.perf_counter() - started
     summary, failures, returncode = [], [], 0
     for run in runs:
