@@ -36,8 +36,13 @@ def log_pyfunc(run_id: str, tracking_uri: str, code: Path, signature, example, a
     ``code`` is the model's file: nothing pickled. The model is logged with its signature (the contract ``predict``
     is held to), an input example and the pinned serving requirements.
     """
+    import os
+
     import mlflow
 
+    # log_model downloads the logged model to validate the input example, drawing a progress bar of
+    # carriage returns into the Dagster log; MLflow reads this at each download; a user's setting wins.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     mlflow.set_tracking_uri(tracking_uri)
     with mlflow.start_run(run_id=run_id):
         return mlflow.pyfunc.log_model(

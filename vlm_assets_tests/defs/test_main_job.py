@@ -40,8 +40,11 @@ def test_main_job_materializes_the_graph_then_hits_the_cache(tmp_path, offline_d
 
     first, _ = _execute(env)
     assert "RUN_SUCCESS" in first
-    # Quiet: no progress bar of a model load or save, from a build or relayed from a worker, no blank line.
-    noise = re.findall(r"^.*(?:Loading weights|Writing model shards|\[node \d+\] *$).*$", first, re.M)
+    # Quiet: no progress bar of a model load, save or download, from a build, a registration or relayed
+    # from a worker, no blank line.
+    noise = re.findall(
+        r"^.*(?:Loading weights|Writing model shards|Downloading artifacts|\[node \d+\] *$).*$", first, re.M
+    )
     assert not noise, noise[:5]
     assert len(re.findall(r"ASSET_CHECK_EVALUATION - Asset check '\w+' on '\w+' passed", first)) == 16
     artifacts = sorted(
