@@ -24,6 +24,11 @@ from vlm_assets_tests.waiting import BOUND_S
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# scripts/test.sh runs two pytest processes at once on the same cores, each with its own torch work and
+# training processes: an OpenMP thread (torch's and MKL's, libgomp) that spins while it waits for its next
+# parallel region, libgomp's default, burns CPU the other lane's processes need. PASSIVE makes it sleep;
+# libgomp reads it when torch first loads, so it is set before any test imports torch, for every child.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # In-process tests give their config over the seed defaults (the config classes' own); the demo
 # profile's defaults are tested by loading the code location in a subprocess and by `main_job`.
 os.environ["VLM_ASSETS_PROFILE"] = "seed"
