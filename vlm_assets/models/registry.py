@@ -8,6 +8,7 @@ registration that died half-way, and a registry that was reset or an alias moved
 """
 
 import dataclasses
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,6 @@ def log_pyfunc(run_id: str, tracking_uri: str, code: Path, signature, example, a
     ``code`` is the model's file: nothing pickled. The model is logged with its signature (the contract ``predict``
     is held to), an input example and the pinned serving requirements.
     """
-    import os
-
     import mlflow
 
     # log_model downloads the logged model to validate the input example, drawing a progress bar of
