@@ -2,12 +2,14 @@
 
 On a CPU the logits of a 50k vocabulary are the step's largest tensors: allocating, faulting in and
 passing over them several times (log-softmax forward, its backward, the head's two gradient matmuls)
-costs more than the head's arithmetic. Here each chunk of rows gets its logits, their log-sum-exp, and,
-when a gradient is wanted, its softmax-minus-one-hot turned at once into the chunk's gradients of the
-hidden states and the head's weight; the chunk's buffer is then reused. The loss and gradients are those
-of ``F.cross_entropy(F.linear(hidden, weight, bias), targets, ignore_index=...)`` (mean over the rows
-whose target is not ``ignore_index``). Liger-Kernel's and Cut Cross-Entropy's fused versions are Triton
-kernels (GPU only) and torch has none, hence this one for the CPU path.
+costs more than the head's arithmetic. Here only the rows whose target counts reach the head; each chunk
+of them gets its logits, exponentiated once in their own buffer, which give the log-sum-exp and, when a
+gradient is wanted, the chunk's gradients of the hidden states and the head's weight (the softmax's
+division and the one-hot target are applied to those small products); the buffer is then reused. The
+loss and gradients are those of ``F.cross_entropy(F.linear(hidden, weight, bias), targets,
+ignore_index=...)`` (mean over the rows whose target is not ``ignore_index``). Liger-Kernel's and Cut
+Cross-Entropy's fused versions are Triton kernels (GPU only) and torch has none, hence this one for the
+CPU path.
 """
 
 from collections.abc import Callable
@@ -73,26 +75,34 @@ def _loss_and_grads(hidden, weight, bias, targets, ignore_index, rows, grads=(Fa
         b = None if bias is None else bias.float()
         valid = targets != ignore_index
         count = valid.sum()
-        safe = targets.masked_fill(~valid, 0)
+        # An ignored row adds nothing to the loss and has a zero gradient: only the others reach the head.
+        kept = None if bool(valid.all()) else valid.nonzero()[:, 0]
+        if kept is not None:
+            h, targets = h[kept], targets[kept]
         total = h.new_zeros(())
         grad_h = torch.empty_like(h) if grads[0] else None
         grad_w = torch.zeros_like(w) if grads[1] else None
         for start in range(0, h.shape[0], rows):
-            hc, tc, vc = h[start : start + rows], safe[start : start + rows], valid[start : start + rows]
+            hc, tc = h[start : start + rows], targets[start : start + rows]
             logits = hc @ w.T if b is None else torch.addmm(b, hc, w.T)
-            lse = torch.logsumexp(logits, dim=1)
             picked = logits.gather(1, tc[:, None])[:, 0]
-            total += ((lse - picked) * vc).sum()
-            if any(grads):
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' buffer
-                probs[torch.arange(len(tc)), tc] -= 1.0  # minus the one-hot target
-                if not vc.all():
-                    probs[~vc] = 0.0
-                if grad_h is not None:
-                    torch.matmul(probs, w, out=grad_h[start : start + rows])
-                if grad_w is not None:
-                    grad_w.addmm_(probs.T, hc)
+            # log-sum-exp and softmax from one exp pass in the logits' buffer (torch.logsumexp would
+            # allocate a second buffer of the chunk's size and exponentiate it again)
+            top = logits.amax(dim=1)
+            exps = logits.sub_(top[:, None]).exp_()
+            sums = exps.sum(dim=1)
+            total += (sums.log() + top - picked).sum()
+            # d loss / d logits = softmax - one-hot = exps / sums - one-hot: the division and the one-hot
+            # are applied to the (rows x dim) products, not to the (rows x vocabulary) buffer
+            scale = sums.reciprocal()[:, None]
+            if grad_h is not None:
+                chunk = grad_h[start : start + rows]
+                torch.matmul(exps, w, out=chunk).mul_(scale).sub_(w[tc])
+            if grad_w is not None:
+                grad_w.addmm_(exps.T, hc * scale).index_add_(0, tc, hc, alpha=-1.0)
         loss = total / count  # NaN when every target is ignored, as F.cross_entropy's mean
+        if grad_h is not None and kept is not None:
+            grad_h = hidden.new_zeros(hidden.shape, dtype=torch.float32).index_copy_(0, kept, grad_h)
         for grad in (grad_h, grad_w):
             if grad is not None:
                 grad.div_(count)

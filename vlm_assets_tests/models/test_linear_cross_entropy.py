@@ -22,8 +22,11 @@ def head_inputs(rows=40, dim=16, vocab=300, real=290):
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 7, 40, None])
-def test_loss_and_gradients_are_those_of_the_logits_cross_entropy(chunk_rows):
+@pytest.mark.parametrize("ignored", [True, False])
+def test_loss_and_gradients_are_those_of_the_logits_cross_entropy(chunk_rows, ignored):
     hidden, weight, bias, targets = head_inputs()
+    if not ignored:
+        targets[targets == -100] = 5
     expected = F.cross_entropy(F.linear(hidden, weight, bias), targets, ignore_index=-100)
     expected.backward()
     grads = hidden.grad.clone(), weight.grad.clone()
