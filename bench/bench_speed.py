@@ -96,7 +96,6 @@ def suite(code: Path, kernels: dict) -> dict:
         "floor_s": busy / (os.cpu_count() or 1),
         "tests": [row for run in runs for row in run.tests],
         "processes": bench_suite_cpu.by_kind([p for run in runs for p in run.processes]),
-        "run_busy_core_s": busy,
     }
 
 
@@ -162,7 +161,7 @@ def report(results: dict, ran: dict) -> str:
                 lines += busiest(old["suite"]["tests"], new["suite"]["tests"])
             for name, run in ((old_name, old), (new_name, new)):
                 if run["suite"]["processes"]:  # a suite that crashed early may have logged none
-                    kinds = bench_suite_cpu.kinds_markdown(run["suite"]["processes"], run["suite"]["run_busy_core_s"])
+                    kinds = bench_suite_cpu.kinds_markdown(run["suite"]["processes"], run["suite"]["busy_core_s"])
                     lines += [f"{name}:", "", *kinds, ""]
     return "\n".join(lines)
 

@@ -19,11 +19,11 @@ def test_the_report_gives_medians_ratios_and_a_crashed_baseline_suite_its_own_li
     new = _main_job([260.0, 250.0, 280.0], gpt=60.0, gain=0.117)
     # the baseline's pytest died at collection: no test rows, no process lines, no busy figures
     old["suite"] = {"seconds": 12.0, "summary": "1 error in 11.00s", "busy_core_s": None, "floor_s": None}
-    old["suite"] |= {"tests": [], "processes": [], "run_busy_core_s": 20.0, "failures": ["ERROR a.py - ImportError"]}
+    old["suite"] |= {"tests": [], "processes": [], "failures": ["ERROR a.py - ImportError"]}
     tests = [{"test": "a.py::t", "wall_s": 900.0, "busy_core_s": 1500.0}]
     processes = [{"kind": "trainer gpt_pretrain", "processes": 4, "cpu_s": 600.0, "mean_cpu_s": 150.0}]
-    new["suite"] = {"seconds": 1000.0, "summary": "1 passed in 990.00s", "busy_core_s": 1500.0, "floor_s": 750.0}
-    new["suite"] |= {"tests": tests, "processes": processes, "run_busy_core_s": 2000.0}
+    new["suite"] = {"seconds": 1000.0, "summary": "1 passed in 990.00s", "busy_core_s": 2000.0, "floor_s": 1000.0}
+    new["suite"] |= {"tests": tests, "processes": processes}
 
     text = bench_speed.report({"avx2": {"baseline abc": old, "this checkout": new}}, {"avx2": "AVX2"})
     lines = text.splitlines()
@@ -31,9 +31,9 @@ def test_the_report_gives_medians_ratios_and_a_crashed_baseline_suite_its_own_li
     assert "Each pair's new / old: 0.52 0.46 0.54" in text
     assert "|   gpt_checkpoint (s) | 80.0 | 60.0 | 0.75 |" in lines
     assert "| test suite (s) | 12.0 | 1000.0 | 83.33 |" in lines
-    assert "|   busy core-seconds | 0.0 | 1500.0 | - |" in lines  # no ratio against a figure that does not exist
+    assert "|   busy core-seconds | 0.0 | 2000.0 | - |" in lines  # no ratio against a figure that does not exist
     assert "| gain's 95 % lower bound | +7.4 pts | +11.7 pts | |" in lines
-    # the new suite's kinds, shared out of the whole run's busy time (2000), not the tests' (1500)
+    # the new suite's kinds, each a share of the machine's busy time over the run, the time between tests included
     assert "| trainer gpt_pretrain | 4 | 600 | 150.0 | 30% |" in lines
     assert lines.count("baseline abc:") == 0 and lines.count("this checkout:") == 1
     # the failed suite's -rfE lines are listed; the passing one gets no such list

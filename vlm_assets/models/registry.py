@@ -8,7 +8,6 @@ registration that died half-way, and a registry that was reset or an alias moved
 """
 
 import dataclasses
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,9 +38,6 @@ def log_pyfunc(run_id: str, tracking_uri: str, code: Path, signature, example, a
     """
     import mlflow
 
-    # log_model downloads the logged model to validate the input example, drawing a progress bar of
-    # carriage returns into the Dagster log; MLflow reads this at each download; a user's setting wins.
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     mlflow.set_tracking_uri(tracking_uri)
     with mlflow.start_run(run_id=run_id):
         return mlflow.pyfunc.log_model(

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import enum
 import inspect
-import os
 import threading
 import time
 import typing
@@ -339,10 +338,6 @@ class _Memoized:
     def _build(self, lease: Lease, key: str) -> ArtifactRef:
         context, config, name = self.context, self.config, self.context.asset_key.to_user_string()
         self._close_dead_attempts(lease, key)
-        # A build loads and saves models of a few tensors, and transformers draws a progress bar for each,
-        # in this process and in the workers it launches (their output is relayed to the Dagster log).
-        # transformers reads this when it is first imported; a user's own setting wins.
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         tags = {"dagster.run_id": context.run.run_id, "dagster.asset": name, "vlm_assets.cache_key": key}
         with self.mlflow.start_run(run_name=name, tags=tags) as run:
             run.log_params(config.model_dump(mode="json"))
