@@ -318,13 +318,15 @@ def pod_process_groups(pod: str) -> list[int]:
     return groups
 
 
-def serve(command: list[str], log: Path) -> subprocess.Popen:
-    """Start a loopback server, dying with the soak (``vlm_assets.launch.lifeline``)."""
+def serve(command: list[str], log: Path, **env: str) -> subprocess.Popen:
+    """Start a loopback server with ``env`` added to its environment, dying with the soak
+    (``vlm_assets.launch.lifeline``)."""
     with open(log, "w") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "vlm_assets.launch.lifeline", "--exec", *command],
             stdout=out,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
         )
 
 
@@ -373,7 +375,10 @@ class Soak:
         moto = ["-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.moto_port)]
         mlflow = ["-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.mlflow_port), "--workers", "1"]
         mlflow += ["--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}"]
-        self.servers = [serve(moto, self.root / "moto.log"), serve(mlflow, self.root / "mlflow.log")]
+        # MLflow's job runners (a runner and seven huey consumers, for GenAI jobs) off, as in
+        # scripts/services.sh: the soak submits no job, and they would take CPU from the runs under test.
+        jobs_off = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self.servers = [serve(moto, self.root / "moto.log"), serve(mlflow, self.root / "mlflow.log", **jobs_off)]
         if "visualchat_model" in args.assets:
             _ = self.models  # built while the servers start
         wait_serving(self.servers[0], self.moto_port, "the S3 server (moto)", self.root / "moto.log")
