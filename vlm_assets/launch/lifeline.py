@@ -1,10 +1,9 @@
 """Processes that die with their parent, by the kernel's guarantee (Linux ``PR_SET_PDEATHSIG``).
 
 The launcher starts each torchrun agent through this module, and each agent starts each worker
-through it too::
+from a copy of itself::
 
-    python -m vlm_assets.launch.lifeline --exec  -m torch.distributed.run ... \\
-        -m vlm_assets.launch.lifeline --module <entry point> ...
+    python -m vlm_assets.launch.lifeline --agent --nnodes=... -m <entry point> ...
 
 so the chain is: the Dagster step process -> agent -> worker, each link holding a parent-death
 signal (SIGKILL). However the step's process ends (SIGKILL from an OOM killer, a lost session, a
@@ -13,8 +12,12 @@ kills the workers. A worker killed mid-commit leaves nothing visible: store comm
 (``vlm_assets.storage``). The launcher's own cleanup (``stop_process_trees``) still handles the
 ordinary endings (failure, timeout, SIGTERM/SIGINT, a run terminated from the UI).
 
-A ``--module`` process skips the interpreter's last garbage collections at its exit (``gc.freeze``);
-its exit handlers run as usual.
+The agent imports the entry point once and forks its workers, which run it as ``__main__`` with its
+imports done (a trainer's imports are 5-8 s of a core, paid once per node instead of once per
+worker). Forked workers cannot use a CUDA runtime their parent touched, so under a GPU build of torch,
+or with ``VLM_ASSETS_FRESH_WORKERS=1``, each worker is a fresh ``--module`` process instead, as a
+Kubernetes pod's torchrun starts them (``launch.k8s``). A ``--module`` process skips the interpreter's
+last garbage collections at its exit (``gc.freeze``); its exit handlers run as usual.
 
 The signal follows the *thread* that forked the child: the launcher starts agents from the step's
 thread, which waits on them until they end, and torchrun starts workers from its main thread.
@@ -23,6 +26,7 @@ thread, which waits on them until they end, and torchrun starts workers from its
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import gc
 import os
@@ -32,6 +36,9 @@ import sys
 
 _PR_SET_PDEATHSIG = 1
 PARENT_ENV = "VLM_ASSETS_LIFELINE_PARENT"
+FRESH_WORKERS_ENV = "VLM_ASSETS_FRESH_WORKERS"
+_MODULE = "vlm_assets.launch.lifeline"  # not __name__: that is "__main__" in an agent
+_PEER_FIRST_S = 1.0  # ten of torchrun's 0.1 s monitor intervals
 
 
 def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> None:
@@ -59,29 +66,99 @@ def freeze_at_exit() -> None:
     atexit.register(gc.freeze)
 
 
-def wrap_agent(torchrun_args: list[str]) -> list[str]:
-    """The command that runs ``python -m torch.distributed.run <torchrun_args>`` as a lifeline'd agent."""
-    return [sys.executable, "-m", __name__, "--exec", "-m", "torch.distributed.run", *torchrun_args]
+def forking_agent(torchrun_args: list[str]) -> list[str]:
+    """The command that runs a lifeline'd torchrun agent whose workers are forked from it.
+
+    ``torchrun_args`` are ``torch.distributed.run``'s, ending in ``-m MODULE ARGS...``.
+    """
+    return [sys.executable, "-m", _MODULE, "--agent", *torchrun_args]
 
 
 def worker_entry(module: str) -> list[str]:
-    """torchrun's ``-m <module>`` replaced by a lifeline'd worker running ``module``."""
-    return ["-m", __name__, "--module", module]
+    """torchrun's ``-m <module>`` replaced by a lifeline'd worker running ``module`` in a fresh process."""
+    return ["-m", _MODULE, "--module", module]
+
+
+def _run_agent(torchrun_args: list[str]) -> None:
+    import importlib
+
+    import torch
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args, run
+
+    args = parse_args(torchrun_args)
+    if not args.module:
+        raise SystemExit("usage: python -m vlm_assets.launch.lifeline --agent TORCHRUN_ARGS... -m MODULE ARGS...")
+    if torch.version.cuda or torch.version.hip or os.environ.get(FRESH_WORKERS_ENV) == "1":
+        args.training_script_args = ["--module", args.training_script, *args.training_script_args]
+        args.training_script = _MODULE
+        record(run)(args)
+        return
+    freeze_at_exit()  # the agent now holds everything its workers import
+    with contextlib.suppress(Exception):  # each worker imports it again, and reports the error as its own
+        importlib.import_module(args.training_script)
+    # torchrun's CLI starts a module only as a fresh interpreter per worker; its function entry point
+    # with the fork start method is what lets the workers share the agent's imports.
+    config, _, _ = config_from_args(args)
+    config.start_method = "fork"
+    launch = elastic_launch(config, _worker)
+    record(launch)(os.getpid(), args.training_script, *args.training_script_args)
+
+
+def _worker(agent: int, module: str, *args: str) -> None:
+    """Run ``module`` as ``__main__`` in this forked worker, ending as a fresh ``python -m`` process would."""
+    import time
+
+    die_with_parent(agent)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):  # the agent's handlers, inherited by the fork
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.argv = [module, *args]
+    sys.modules.pop(module, None)  # the agent's import: runpy runs ``__main__`` from a module not imported yet
+    code: int | None = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int | None) else 1
+        if not isinstance(stop.code, int | None):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())  # torch.distributed's hook prefixes each line with the rank
+        code = 1
+    # A forked multiprocessing child leaves by os._exit: past the exit handlers a process runs (and past
+    # the interpreter's last collections, which ``freeze_at_exit`` saves a fresh process).
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        # The agent reports only the first worker it finds failed (torch.multiprocessing); a rank whose
+        # peer was killed fails a moment after it, and waits so that the kill (exit -9) is what is reported.
+        time.sleep(_PEER_FIRST_S)
+        os._exit(code)
 
 
 def main(argv: list[str]) -> None:
-    """Run ``--exec ARGV...`` or ``--module MODULE ARGS...`` so that it dies with its parent process.
+    """Run ``--agent TORCHRUN_ARGS...``, ``--exec ARGV...`` or ``--module MODULE ARGS...``, dying with the parent.
 
-    ``--exec`` replaces this process with Python running ``ARGV``; ``--module`` runs ``MODULE`` in this process.
+    ``--agent`` runs a torchrun agent (``forking_agent``); ``--exec`` replaces this process with Python running
+    ``ARGV``; ``--module`` runs ``MODULE`` in this process.
     """
-    if len(argv) < 2 or argv[0] not in ("--exec", "--module"):
-        raise SystemExit("usage: python -m vlm_assets.launch.lifeline --exec ARGV... | --module MODULE ARGS...")
+    if len(argv) < 2 or argv[0] not in ("--agent", "--exec", "--module"):
+        raise SystemExit(
+            "usage: python -m vlm_assets.launch.lifeline "
+            "--agent TORCHRUN_ARGS... | --exec ARGV... | --module MODULE ARGS..."
+        )
     expected = os.environ.get(PARENT_ENV)
-    die_with_parent(int(expected) if expected and argv[0] == "--exec" else None)
-    if argv[0] == "--exec":
+    die_with_parent(int(expected) if expected and argv[0] != "--module" else None)
+    if argv[0] != "--module":
         # The agent's own children (the workers) must check against the agent, not the step.
         os.environ.pop(PARENT_ENV, None)
+    if argv[0] == "--exec":
         os.execv(sys.executable, [sys.executable, *argv[1:]])  # the death signal survives execve
+    if argv[0] == "--agent":
+        _run_agent(argv[1:])
+        return
     module, sys.argv = argv[1], [argv[1], *argv[2:]]
     freeze_at_exit()  # registered before the module's own exit handlers, so it runs after them
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -3,8 +3,8 @@
 ``num_nodes=2, nproc_per_node=1`` really is two torchrun agents, each with its own worker, meeting
 at a rendezvous endpoint on loopback, exactly as two machines would. Worker output is streamed line
 by line (prefixed with the node) to a callback. If any node fails, every other node is stopped, and
-the whole process tree (torchrun starts each worker in its own session, so killing the agent's
-process group is not enough) is collected first, signalled with SIGTERM, then SIGKILL: no orphans.
+the whole process tree (a worker may run in a session of its own, so killing the agent's process
+group is not enough) is collected first, signalled with SIGTERM, then SIGKILL: no orphans.
 If the calling process itself dies, the kernel ends the agents and workers (``lifeline``).
 """
 
@@ -32,6 +32,7 @@ _TAIL_LINES = 100
 _GRACE_S = 15.0
 _PEERS_S = 3.0
 CANCEL_POLL_S = 2.0  # how often a launch asks whether its run was canceled
+_LIFELINE = "vlm_assets.launch.lifeline"
 
 
 @dataclasses.dataclass
@@ -80,9 +81,9 @@ def torchrun_command(spec: LaunchSpec, endpoint: str, run_id: str) -> list[str]:
     """torchrun for one node; agent and workers die with their parent (``lifeline``)."""
     # Imported here, not at the top: `python -m vlm_assets.launch.lifeline` imports this package
     # first, and runpy warns when the module it is about to run as __main__ was imported already.
-    from vlm_assets.launch.lifeline import worker_entry, wrap_agent
+    from vlm_assets.launch.lifeline import forking_agent
 
-    return wrap_agent(
+    return forking_agent(
         [
             f"--nnodes={spec.num_nodes}",
             f"--nproc-per-node={spec.nproc_per_node}",
@@ -92,7 +93,8 @@ def torchrun_command(spec: LaunchSpec, endpoint: str, run_id: str) -> list[str]:
             # is_host=false: the rendezvous store is the launcher's (run_local), not an agent's.
             f"--rdzv-conf=join_timeout={spec.rendezvous_timeout_s},is_host=false",
             "--max-restarts=0",  # a failed job is retried by the orchestrator, from the last checkpoint
-            *worker_entry(spec.module),
+            "-m",
+            spec.module,
             *spec.args,
         ]
     )
@@ -243,17 +245,26 @@ def training_processes(module: str, marker: str) -> dict[str, list[int]]:
     """Return the PIDs of live torchrun agents (``agent``) and training workers (``worker``) of ``module``.
 
     Only processes whose command line holds ``marker`` (a run's scratch path, say) count; they are read from
-    Linux ``/proc``.
+    Linux ``/proc``. A forked worker has its agent's command line: an agent is the one whose parent's differs.
     """
     found: dict[str, list[int]] = {"agent": [], "worker": []}
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = b" ".join(cmdline.read_bytes().split(b"\0")).decode(errors="replace")
-        except OSError:
+        text = _cmdline(cmdline)
+        if text is None or module not in text or marker not in text:
             continue
-        if module in text and marker in text:
-            found["agent" if "torch.distributed.run" in text else "worker"].append(int(cmdline.parent.name))
+        pid = int(cmdline.parent.name)
+        fields = _live_stat(pid)
+        parent = _cmdline(Path(f"/proc/{fields[1]}/cmdline")) if fields else None
+        agent = f"{_LIFELINE} --agent" in text and parent != text
+        found["agent" if agent else "worker"].append(pid)
     return found
+
+
+def _cmdline(path: Path) -> str | None:
+    try:
+        return b" ".join(path.read_bytes().split(b"\0")).decode(errors="replace")
+    except OSError:
+        return None
 
 
 def process_tree(pid: int) -> list[int]:

@@ -2,15 +2,22 @@
 (gloo): the adapter's ZeRO-2 and VisualChat's ZeRO-2/3 train through it."""
 
 import argparse
+import contextlib
 import warnings
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from vlm_assets.storage.disk import staged_write
 from vlm_assets.train.checkpoints import CHECKPOINT_FILE, StoreCheckpointIO
+
+# DeepSpeed imports its Muon optimizer at its first ZeRO optimizer check, about 1 s of a core; imported
+# with this module, it is paid once per node by the agent that forks the workers (launch.lifeline).
+with contextlib.suppress(ImportError):
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 
 
 def deepspeed_strategy(checkpoint_io: StoreCheckpointIO, **settings: Any) -> DeepSpeedStrategy:
@@ -72,8 +79,6 @@ class CPUStoreDeepSpeedStrategy(StoreDeepSpeedStrategy):
         self._init_deepspeed_distributed()
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
-        import deepspeed
-
         engine, optimizer, _, _ = deepspeed.initialize(  # Lightning passes the device's index: None on CPU
             args=argparse.Namespace(device_rank=self.local_rank),
             config=self.config,

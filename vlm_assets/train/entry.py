@@ -17,6 +17,7 @@ from typing import Any, Generic
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from vlm_assets.launch.spec import exit_on_refused_input
 from vlm_assets.storage import ArtifactStore, store_from_spec
@@ -124,6 +125,9 @@ def entry_point(config_type: type[C], train: Callable[[TrainerRun[C]], None]) ->
         config, paths = read_run_file(parser.parse_args(argv).config, config_type)
         quiet_lightning()
         rank = int(os.environ.get("RANK", 0))
+        # Lightning reads the rank from the environment once, at its import; a worker forked from its agent
+        # (vlm_assets.launch.lifeline) imported it before torchrun set RANK.
+        rank_zero_only.rank = rank
         with exit_on_refused_input(), Reporter.open(rank, paths.mlflow_tracking_uri, paths.mlflow_run_id) as reporter:
             try:
                 train(TrainerRun(config, paths, reporter, rank))

@@ -27,12 +27,15 @@ import time
 import warnings
 from pathlib import Path
 
+import deepspeed
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from peft import LoraConfig, get_peft_model
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from transformers.pytorch_utils import Conv1D
 
 from vlm_assets.data import visualchat_data as vd
 from vlm_assets.evaluate.visualchat_eval import evaluate_export
@@ -69,9 +72,6 @@ def build_model(config: VisualChatTrainConfig) -> VisualChatModel:
     Pretrained parts, projection at init, LoRA (zero at init) on the decoder, and ``requires_grad`` set by
     ``freeze_modules``.
     """
-    from peft import LoraConfig, get_peft_model
-    from transformers.pytorch_utils import Conv1D
-
     torch.manual_seed(config.seed)
     model = VisualChatModel.build(config.model)
     # GPT-2 stores its linear layers as Conv1D, (in, out): peft must be told (it warns and guesses otherwise).
@@ -408,8 +408,6 @@ def export(
     The merged model is checked against the unmerged one, and the saved model is evaluated as a user loads it
     (``eval.json``).
     """
-    import deepspeed
-
     rank = run.rank
     with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
         weights = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()} if rank == 0 else None

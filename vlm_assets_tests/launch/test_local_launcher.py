@@ -146,3 +146,39 @@ def test_a_lifeline_module_runs_its_exit_handlers_then_skips_the_last_collection
     failed = subprocess.run([*command, "fail"], env=env, capture_output=True, text=True, timeout=BOUND_S)
     assert failed.returncode == 1 and "RuntimeError: the worker failed" in failed.stderr
     assert failed.stdout == "exit handler ran\n"
+
+
+PROBE = """
+import atexit, os, sys
+import probe_imports
+from vlm_assets.launch.local import training_processes
+if __name__ == "__main__":
+    roles = training_processes("forked_probe", sys.argv[1])
+    where = {os.getppid(): "the agent", os.getpid(): "the worker"}.get(probe_imports.PID)
+    print(f"imported by {where}; worker {os.getpid() in roles['worker']}, agent {os.getppid() in roles['agent']}")
+    atexit.register(print, "exit handler ran", flush=True)
+    sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
+def test_workers_share_the_agents_imports_and_end_as_a_fresh_process_would(tmp_path, fresh):
+    """Forked from the agent, a worker finds its module's imports done by the agent, runs its exit handlers
+    and ends with its own exit code; with VLM_ASSETS_FRESH_WORKERS=1 (what a GPU build of torch does) each
+    worker imports them itself. Both ways, ``training_processes`` tells the worker from its agent."""
+    (tmp_path / "probe_imports.py").write_text("import os\nPID = os.getpid()\n")
+    (tmp_path / "forked_probe.py").write_text(PROBE)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    if fresh:
+        env["VLM_ASSETS_FRESH_WORKERS"] = "1"
+    lines = []
+    run_local(LaunchSpec("forked_probe", (str(tmp_path), "0"), env=env, timeout_s=120), on_line=lines.append)
+    importer = "the worker" if fresh else "the agent"
+    assert [line.split("] ", 1)[1] for line in lines if line.startswith("[node")] == [
+        f"imported by {importer}; worker True, agent True",
+        "exit handler ran",
+    ], "\n".join(lines)
+    with pytest.raises(LaunchFailed) as failed:
+        run_local(LaunchSpec("forked_probe", (str(tmp_path), "4"), env=env, timeout_s=120), on_line=lines.append)
+    assert failed.value.worker_exit_code == 4 and "exit handler ran" in failed.value.tail
