@@ -93,7 +93,7 @@ def summarize(rows: list[dict], cores: int) -> dict:
 # dagster command is told apart by its subcommand (``dagster api execute_run``, ``dagster dev``).
 KINDS = [
     (re.compile(r"vlm_assets\.train\.(\w+)"), "trainer {}"),
-    (re.compile(r"torch/distributed/run\.py$|(?:^|/)torchrun$()"), "torchrun agent{}"),
+    (re.compile(r"torch/distributed/run\.py$|(?:^|/)torchrun$|vlm_assets/launch/lifeline\.py$()"), "torchrun agent{}"),
     (re.compile(r"(?:^|/)dagster/_daemon/__main__\.py$()"), "dagster-daemon{}"),
     (re.compile(r"(?:^|/)(dagster[-_]daemon|dagster[-_]webserver)(?:/__main__\.py)?$"), "{}"),
     (re.compile(r"(?:^|/)(dagster|dg)(?:/__main__\.py)?$"), "{}"),

@@ -115,6 +115,7 @@ def test_the_floor_packs_the_busy_core_seconds_onto_every_core():
     [
         (["/v/lib/python3.11/site-packages/torch/distributed/run.py", "--nnodes=2"], "torchrun agent"),
         (["/v/bin/torchrun", "--nnodes=2", "-m", "vlm_assets.train.gpt_pretrain"], "torchrun agent"),
+        (["/w/vlm_assets/launch/lifeline.py", "--agent", "--nnodes=2", "--nproc-per-node=1"], "torchrun agent"),
         (["vlm_assets.train.visualchat_train", "--config", "run.json"], "trainer visualchat_train"),
         (["/v/site-packages/dagster/__main__.py", "api", "execute_run", "{}"], "dagster api execute_run"),
         (["/v/bin/dagster", "dev", "-w", "workspace.yaml"], "dagster dev"),
