@@ -255,7 +255,8 @@ def training_processes(module: str, marker: str) -> dict[str, list[int]]:
         pid = int(cmdline.parent.name)
         fields = _live_stat(pid)
         parent = _cmdline(Path(f"/proc/{fields[1]}/cmdline")) if fields else None
-        agent = f"{_LIFELINE} --agent" in text and parent != text
+        # A pod's agent is torchrun's own CLI (launch.k8s); a local one is lifeline's.
+        agent = "torch.distributed.run" in text or (f"{_LIFELINE} --agent" in text and parent != text)
         found["agent" if agent else "worker"].append(pid)
     return found
 
