@@ -120,9 +120,10 @@ def _worker(agent: int, module: str, *args: str) -> None:
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int | None) else 1
-        if not isinstance(stop.code, int | None):
-            print(stop.code, file=sys.stderr)
+        code = stop.code
+        if not isinstance(code, int | None):  # sys.exit("message"): printed, status 1
+            print(code, file=sys.stderr)
+            code = 1
     except BaseException:
         sys.excepthook(*sys.exc_info())  # torch.distributed's hook prefixes each line with the rank
         code = 1
