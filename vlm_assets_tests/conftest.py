@@ -45,10 +45,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # Modules (paths under vlm_assets_tests/) whose tests mostly wait, on daemon ticks, servers, leases and
-# installs, rather than compute. scripts/test.sh runs them (the `beside` marker) in a second pytest process
-# beside the rest, whose training fills the cores they leave idle (bench/bench_speed.py --suite measures
-# the suite in its lanes). The modules that use the k8s testbed join them, last: its control plane listens
-# on fixed ports, so only one process may start it, and their tests wait on pods much of the time.
+# installs, rather than compute, or use under one core (the VisualChat trainer's tests: small runs whose
+# time is mostly process start-up and the gloo rendezvous). scripts/test.sh runs them (the `beside`
+# marker) in a second pytest process beside the rest, whose training fills the cores they leave idle
+# (bench/bench_speed.py --suite measures the suite in its lanes, and each module's busy cores). The
+# modules that use the k8s testbed join them, last: its control plane listens on fixed ports, so only one
+# process may start it, and their tests wait on pods much of the time.
 BESIDE = (
     "team/",
     "defs/test_run_termination.py",
@@ -57,6 +59,7 @@ BESIDE = (
     "storage/test_artifact_stores.py",
     "launch/test_retry_rule.py",
     "test_gpu_kit.py",
+    "train/test_visualchat_train.py",
 )
 
 
