@@ -42,6 +42,8 @@ def _collected(*marks: str) -> list[list[str]]:
 def test_the_beside_lane_holds_the_waiting_modules_and_the_testbeds_users_last():
     main, beside = bench_speed.lanes(REPO)
     assert main == ["-m", "not gpu and not beside"] and beside == ["-m", "not gpu and beside"]
+    test_sh = (REPO / "scripts" / "test.sh").read_text()
+    assert all(f'-m "{lane[1]}"' in test_sh for lane in (main, beside)), "scripts/test.sh runs other lanes"
     ids, in_main = _collected(beside[1], main[1])
     modules = list(dict.fromkeys(i.split("::")[0].removeprefix("vlm_assets_tests/") for i in ids))
     testbed = ["defs/test_gpt_assets.py", "defs/test_run_termination.py", "k8s/test_k8s_launcher.py"]
