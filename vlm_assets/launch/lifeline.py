@@ -19,6 +19,11 @@ or with ``VLM_ASSETS_FRESH_WORKERS=1``, each worker is a fresh ``--module`` proc
 Kubernetes pod's torchrun starts them (``launch.k8s``). A ``--module`` process skips the interpreter's
 last garbage collections at its exit (``gc.freeze``); its exit handlers run as usual.
 
+Several nodes on one host (``--agents``) start as one process that imports the entry point and forks
+one agent per node, each writing to a pipe of its own, and reports each agent's PID and exit code on a
+status pipe (``parse_report``): the chain is step process -> that process -> agent -> worker, and the
+imports are paid once per launch, not once per node.
+
 The signal follows the *thread* that forked the child: the launcher starts agents from the step's
 thread, which waits on them until they end, and torchrun starts workers from its main thread.
 """
@@ -74,12 +79,25 @@ def forking_agent(torchrun_args: list[str]) -> list[str]:
     return [sys.executable, "-m", _MODULE, "--agent", *torchrun_args]
 
 
+def forking_agents(outputs: list[int], status: int, torchrun_args: list[str]) -> list[str]:
+    """The command that forks one lifeline'd agent per descriptor of ``outputs`` (its stdout and stderr)
+    from one import of the entry point, and reports on the descriptor ``status`` (``parse_report``)."""
+    return [sys.executable, "-m", _MODULE, "--agents", ",".join(map(str, outputs)), str(status), *torchrun_args]
+
+
+def parse_report(line: str) -> tuple[int, str, int]:
+    """``(node, "pid" | "exit", value)`` from a line of ``--agents``' status pipe."""
+    node, what, value = line.split()
+    return int(node), what, int(value)
+
+
 def worker_entry(module: str) -> list[str]:
     """torchrun's ``-m <module>`` replaced by a lifeline'd worker running ``module`` in a fresh process."""
     return ["-m", _MODULE, "--module", module]
 
 
-def _run_agent(torchrun_args: list[str]) -> None:
+def _prepared_agent(torchrun_args: list[str]):
+    """Parse torchrun's arguments and import the entry point; return the function that runs the agent."""
     import importlib
 
     import torch
@@ -93,17 +111,74 @@ def _run_agent(torchrun_args: list[str]) -> None:
     if torch.version.cuda or torch.version.hip or os.environ.get(FRESH_WORKERS_ENV) == "1":
         args.training_script_args = ["--module", args.training_script, *args.training_script_args]
         args.training_script = _MODULE
-        record(run)(args)
-        return
+        return lambda: record(run)(args)
     freeze_at_exit()  # the agent now holds everything its workers import
     with contextlib.suppress(Exception):  # each worker imports it again, and reports the error as its own
         importlib.import_module(args.training_script)
-    # torchrun's CLI starts a module only as a fresh interpreter per worker; its function entry point
-    # with the fork start method is what lets the workers share the agent's imports.
-    config, _, _ = config_from_args(args)
-    config.start_method = "fork"
-    launch = elastic_launch(config, _worker)
-    record(launch)(os.getpid(), args.training_script, *args.training_script_args)
+
+    def agent() -> None:
+        # torchrun's CLI starts a module only as a fresh interpreter per worker; its function entry point
+        # with the fork start method is what lets the workers share the agent's imports.
+        config, _, _ = config_from_args(args)
+        config.start_method = "fork"
+        launch = elastic_launch(config, _worker)
+        record(launch)(os.getpid(), args.training_script, *args.training_script_args)
+
+    return agent
+
+
+def _run_agents(outputs: list[int], status: int, torchrun_args: list[str]) -> None:
+    """Fork one agent per descriptor of ``outputs`` after one import; report their PIDs and exit codes."""
+    agent = _prepared_agent(torchrun_args)
+    # SIGTERM is the launcher's to each agent, which forwards it to its workers; ended first, this process
+    # would kill its agents by their parent-death signal before they could.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    me = os.getpid()
+    nodes: dict[int, int] = {}
+    for node, fd in enumerate(outputs):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            die_with_parent(me)
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            for other in {*outputs, status}:
+                os.close(other)
+            os._exit(_as_process(agent))
+        nodes[pid] = node
+        os.write(status, f"{node} pid {pid}\n".encode())
+    for fd in outputs:
+        os.close(fd)
+    while nodes:
+        pid, code = os.wait()
+        if pid in nodes:
+            os.write(status, f"{nodes.pop(pid)} exit {os.waitstatus_to_exitcode(code)}\n".encode())
+
+
+def _as_process(run) -> int:
+    """Call ``run()`` as a forked child's whole life and return the exit code a fresh process would end with,
+    once the exit handlers it would run have run (a forked child leaves by ``os._exit``, past them and past
+    the interpreter's last collections, which ``freeze_at_exit`` saves a fresh process)."""
+    code: int | None = 0
+    try:
+        run()
+    except SystemExit as stop:
+        code = stop.code
+        if not isinstance(code, int | None):  # sys.exit("message"): printed, status 1
+            print(code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())  # torch.distributed's hook prefixes each line with the rank
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code or 0
 
 
 def _worker(agent: int, module: str, *args: str) -> None:
@@ -116,22 +191,7 @@ def _worker(agent: int, module: str, *args: str) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = [module, *args]
     sys.modules.pop(module, None)  # the agent's import: runpy runs ``__main__`` from a module not imported yet
-    code: int | None = 0
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as stop:
-        code = stop.code
-        if not isinstance(code, int | None):  # sys.exit("message"): printed, status 1
-            print(code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        sys.excepthook(*sys.exc_info())  # torch.distributed's hook prefixes each line with the rank
-        code = 1
-    # A forked multiprocessing child leaves by os._exit: past the exit handlers a process runs (and past
-    # the interpreter's last collections, which ``freeze_at_exit`` saves a fresh process).
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    code = _as_process(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
     if code:
         # The agent reports only the first worker it finds failed (torch.multiprocessing); a rank whose
         # peer was killed fails a moment after it, and waits so that the kill (exit -9) is what is reported.
@@ -140,15 +200,20 @@ def _worker(agent: int, module: str, *args: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Run ``--agent TORCHRUN_ARGS...``, ``--exec ARGV...`` or ``--module MODULE ARGS...``, dying with the parent.
+    """Run ``--agent TORCHRUN_ARGS...``, ``--agents OUTPUT_FDS STATUS_FD TORCHRUN_ARGS...``, ``--exec ARGV...``
+    or ``--module MODULE ARGS...``, dying with the parent.
 
-    ``--agent`` runs a torchrun agent (``forking_agent``); ``--exec`` replaces this process with Python running
-    ``ARGV``; ``--module`` runs ``MODULE`` in this process.
+    ``--agent`` runs a torchrun agent (``forking_agent``), ``--agents`` one per node (``forking_agents``);
+    ``--exec`` replaces this process with Python running ``ARGV``; ``--module`` runs ``MODULE`` in this process.
     """
-    if len(argv) < 2 or argv[0] not in ("--agent", "--exec", "--module"):
+    if (
+        len(argv) < 2
+        or argv[0] not in ("--agent", "--agents", "--exec", "--module")
+        or (argv[0] == "--agents" and len(argv) < 4)
+    ):
         raise SystemExit(
-            "usage: python -m vlm_assets.launch.lifeline "
-            "--agent TORCHRUN_ARGS... | --exec ARGV... | --module MODULE ARGS..."
+            "usage: python -m vlm_assets.launch.lifeline --agent TORCHRUN_ARGS... | "
+            "--agents OUTPUT_FDS STATUS_FD TORCHRUN_ARGS... | --exec ARGV... | --module MODULE ARGS..."
         )
     expected = os.environ.get(PARENT_ENV)
     die_with_parent(int(expected) if expected and argv[0] != "--module" else None)
@@ -158,7 +223,10 @@ def main(argv: list[str]) -> None:
     if argv[0] == "--exec":
         os.execv(sys.executable, [sys.executable, *argv[1:]])  # the death signal survives execve
     if argv[0] == "--agent":
-        _run_agent(argv[1:])
+        _prepared_agent(argv[1:])()
+        return
+    if argv[0] == "--agents":
+        _run_agents([int(fd) for fd in argv[1].split(",")], int(argv[2]), argv[3:])
         return
     module, sys.argv = argv[1], [argv[1], *argv[2:]]
     freeze_at_exit()  # registered before the module's own exit handlers, so it runs after them

@@ -1,7 +1,8 @@
 """The local backend: one ``torchrun`` per node, every node on 127.0.0.1, c10d rendezvous.
 
 ``num_nodes=2, nproc_per_node=1`` really is two torchrun agents, each with its own worker, meeting
-at a rendezvous endpoint on loopback, exactly as two machines would. Worker output is streamed line
+at a rendezvous endpoint on loopback, exactly as two machines would; the agents are forked from one
+process that imports the trainer for all of them (``lifeline --agents``). Worker output is streamed line
 by line (prefixed with the node) to a callback. If any node fails, every other node is stopped, and
 the whole process tree (a worker may run in a session of its own, so killing the agent's process
 group is not enough) is collected first, signalled with SIGTERM, then SIGKILL: no orphans.
@@ -77,27 +78,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(spec: LaunchSpec, endpoint: str, run_id: str) -> list[str]:
-    """torchrun for one node; agent and workers die with their parent (``lifeline``)."""
-    # Imported here, not at the top: `python -m vlm_assets.launch.lifeline` imports this package
-    # first, and runpy warns when the module it is about to run as __main__ was imported already.
-    from vlm_assets.launch.lifeline import forking_agent
-
-    return forking_agent(
-        [
-            f"--nnodes={spec.num_nodes}",
-            f"--nproc-per-node={spec.nproc_per_node}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={run_id}",
-            # is_host=false: the rendezvous store is the launcher's (run_local), not an agent's.
-            f"--rdzv-conf=join_timeout={spec.rendezvous_timeout_s},is_host=false",
-            "--max-restarts=0",  # a failed job is retried by the orchestrator, from the last checkpoint
-            "-m",
-            spec.module,
-            *spec.args,
-        ]
-    )
+def torchrun_args(spec: LaunchSpec, endpoint: str, run_id: str) -> list[str]:
+    """torchrun's arguments for one node of ``spec``, meeting at ``endpoint``."""
+    return [
+        f"--nnodes={spec.num_nodes}",
+        f"--nproc-per-node={spec.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        # is_host=false: the rendezvous store is the launcher's (run_local), not an agent's.
+        f"--rdzv-conf=join_timeout={spec.rendezvous_timeout_s},is_host=false",
+        "--max-restarts=0",  # a failed job is retried by the orchestrator, from the last checkpoint
+        "-m",
+        spec.module,
+        *spec.args,
+    ]
 
 
 def run_local(
@@ -120,18 +115,21 @@ def run_local(
     # down, and each of them then logs a connection error with a C++ stack trace.
     rendezvous_store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     run_id = uuid.uuid4().hex[:12]
-    from vlm_assets.launch.lifeline import PARENT_ENV  # imported here: see torchrun_command
+    # Imported here, not at the top: `python -m vlm_assets.launch.lifeline` imports this package
+    # first, and runpy warns when the module it is about to run as __main__ was imported already.
+    from vlm_assets.launch.lifeline import PARENT_ENV, forking_agent
 
     full_env = {**os.environ, **(env or {}), **spec.env, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
     if spec.num_nodes > 1:
         full_env[SHARED_HOST_ENV] = "1"  # every "node" is on this host: see vlm_assets._streaming
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
     tails = [collections.deque(maxlen=_TAIL_LINES) for _ in range(spec.num_nodes)]
-    nodes: list[subprocess.Popen] = []
+    starter: subprocess.Popen | None = None
+    nodes: list = []
     try:
-        for node in range(spec.num_nodes):
+        if spec.num_nodes == 1:
             proc = subprocess.Popen(
-                torchrun_command(spec, endpoint, run_id),
+                forking_agent(torchrun_args(spec, endpoint, run_id)),
                 env=full_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -140,21 +138,92 @@ def run_local(
                 start_new_session=True,
             )
             nodes.append(proc)
-            threading.Thread(target=_pump, args=(node, proc, lines), daemon=True).start()
+            threading.Thread(target=_pump, args=(0, proc.stdout, lines), daemon=True).start()
+        else:
+            starter, nodes = _start_forked_nodes(spec, endpoint, run_id, full_env, lines)
         shape = f"{spec.num_nodes} node(s) x {spec.nproc_per_node} process(es)"
         on_line(f"[launcher] {spec.name}: {shape}, rendezvous {endpoint}")
         _supervise(spec, nodes, lines, tails, on_line, canceled)
     finally:
         stop_process_trees([p for p in nodes if p.poll() is None])
+        if starter is not None:
+            stop_process_trees([starter] if starter.poll() is None else [])
+            starter.wait()
         for proc in nodes:
             if proc.stdout:
                 proc.stdout.close()
         del rendezvous_store  # only now that no agent is left to use it
 
 
-def _pump(node: int, proc: subprocess.Popen, lines: queue.Queue) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
+class _ForkedNode:
+    """A node's torchrun agent forked by ``lifeline --agents``: the ``subprocess.Popen`` calls the launcher
+    makes (``pid``, ``poll``, ``wait``), from the PID and exit code that process reports."""
+
+    def __init__(self, stdout) -> None:
+        self.stdout = stdout
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+
+    @staticmethod
+    def follow(nodes: list["_ForkedNode"], starter: subprocess.Popen, status: int) -> None:
+        """Read the starter's reports until it ends; a node it did not report ended went with it."""
+        from vlm_assets.launch.lifeline import parse_report
+
+        with os.fdopen(status) as reports:
+            for line in reports:
+                node, what, value = parse_report(line)
+                if what == "pid":
+                    nodes[node].pid = value
+                else:
+                    nodes[node].returncode = value
+                    nodes[node]._ended.set()
+        code = starter.wait()
+        for node in nodes:
+            if node.returncode is None:
+                # Its agent died by its parent-death signal, or was never forked.
+                node.returncode = code if code else -signal.SIGKILL
+                node._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired("lifeline --agents", timeout)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def _start_forked_nodes(spec, endpoint, run_id, env, lines) -> tuple[subprocess.Popen, list[_ForkedNode]]:
+    """Start the nodes as agents forked from one process that imports the trainer once (``lifeline --agents``),
+    each node's output on a pipe of its own; return that process and the nodes."""
+    from vlm_assets.launch.lifeline import forking_agents  # imported here: see run_local
+
+    pipes = [os.pipe() for _ in range(spec.num_nodes)]
+    status_read, status_write = os.pipe()
+    writes = [w for _, w in pipes]
+    try:
+        starter = subprocess.Popen(
+            forking_agents(writes, status_write, torchrun_args(spec, endpoint, run_id)),
+            env=env,
+            stdout=writes[0],
+            stderr=subprocess.STDOUT,
+            pass_fds=(*writes, status_write),
+            start_new_session=True,
+        )
+    finally:
+        for fd in (*writes, status_write):
+            os.close(fd)
+    nodes = [_ForkedNode(os.fdopen(r, buffering=1, errors="replace")) for r, _ in pipes]
+    for node, handle in enumerate(nodes):
+        threading.Thread(target=_pump, args=(node, handle.stdout, lines), daemon=True).start()
+    threading.Thread(target=_ForkedNode.follow, args=(nodes, starter, status_read), daemon=True).start()
+    return starter, nodes
+
+
+def _pump(node: int, stdout, lines: queue.Queue) -> None:
+    for line in stdout:
         lines.put((node, line.rstrip("\n")))
     lines.put((node, None))
 
@@ -253,12 +322,23 @@ def training_processes(module: str, marker: str) -> dict[str, list[int]]:
         if text is None or module not in text or marker not in text:
             continue
         pid = int(cmdline.parent.name)
-        fields = _live_stat(pid)
-        parent = _cmdline(Path(f"/proc/{fields[1]}/cmdline")) if fields else None
-        # A pod's agent is torchrun's own CLI (launch.k8s); a local one is lifeline's.
-        agent = "torch.distributed.run" in text or (f"{_LIFELINE} --agent" in text and parent != text)
+        # A pod's agent is torchrun's own CLI (launch.k8s). A local one is lifeline's, started by the launcher
+        # or forked, one per node, from the process that started the nodes (``--agents``, itself counted an
+        # agent); a forked process keeps its parent's command line.
+        forked = _forks_above(pid, text)
+        agent = "torch.distributed.run" in text or (
+            f"{_LIFELINE} --agent" in text and forked <= (1 if f"{_LIFELINE} --agents" in text else 0)
+        )
         found["agent" if agent else "worker"].append(pid)
     return found
+
+
+def _forks_above(pid: int, cmdline: str) -> int:
+    """How many of ``pid``'s closest ancestors in a row have the command line ``cmdline`` too."""
+    count = 0
+    while (fields := _live_stat(pid)) is not None and _cmdline(Path(f"/proc/{fields[1]}/cmdline")) == cmdline:
+        count, pid = count + 1, int(fields[1])
+    return count
 
 
 def _cmdline(path: Path) -> str | None:
@@ -280,6 +360,7 @@ def process_tree(pid: int) -> list[int]:
 
 def stop_process_trees(procs: list[subprocess.Popen]) -> None:
     """SIGTERM every process of every tree (torchrun forwards it to its workers), SIGKILL what is left."""
+    procs = [proc for proc in procs if proc.pid is not None]  # a node not forked yet (``_ForkedNode``)
     pids = [pid for proc in procs for pid in process_tree(proc.pid)]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -77,6 +78,7 @@ def test_bad_specs_are_refused():
 
 STEP = """
 import sys
+from pathlib import Path
 from vlm_assets.launch import LaunchSpec, run_local
 spec = LaunchSpec("vlm_assets_tests.launch.allreduce_worker", ("--hang",), num_nodes=2, nproc_per_node=2,
                   env={"OMP_NUM_THREADS": "1"}, timeout_s=600)
@@ -182,3 +184,62 @@ def test_workers_share_the_agents_imports_and_end_as_a_fresh_process_would(tmp_p
     with pytest.raises(LaunchFailed) as failed:
         run_local(LaunchSpec("forked_probe", (str(tmp_path), "4"), env=env, timeout_s=120), on_line=lines.append)
     assert failed.value.worker_exit_code == 4 and "exit handler ran" in failed.value.tail
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+PROBE_NODES = """
+import atexit, os, sys
+import probe_imports
+from vlm_assets.launch.local import training_processes
+def _parent(pid):
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+if __name__ == "__main__":
+    roles = training_processes("forked_probe", sys.argv[1])
+    agent = os.getppid()
+    where = {_parent(agent): "the agents' parent", agent: "the agent", os.getpid(): "the worker"}.get(probe_imports.PID)
+    print(f"imported by {where}; worker {os.getpid() in roles['worker']}, agent {agent in roles['agent']}, "
+          f"agents' parent an agent {_parent(agent) in roles['agent']}")
+    atexit.register(print, "exit handler ran", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_nodes_agents_are_forked_from_one_import_and_each_node_is_told_apart(tmp_path):
+    """The nodes' agents are forked from the process that imported the trainer for both; each node's output
+    stays its own, and ``training_processes`` counts that process and the agents as agents."""
+    (tmp_path / "probe_imports.py").write_text("import os\nPID = os.getpid()\n")
+    (tmp_path / "forked_probe.py").write_text(PROBE_NODES)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    lines = []
+    spec = LaunchSpec("forked_probe", (str(tmp_path),), num_nodes=2, env=env, timeout_s=120)
+    run_local(spec, on_line=lines.append)
+    for node in (0, 1):
+        assert [line.split("] ", 1)[1] for line in lines if line.startswith(f"[node {node}]")] == [
+            "imported by the agents' parent; worker True, agent True, agents' parent an agent True",
+            "exit handler ran",
+        ], "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_a_killed_agent_of_two_forked_nodes_fails_its_node_with_exit_minus_9():
+    lines = []
+    spec = LaunchSpec(WORKER, ("--hang",), num_nodes=2, nproc_per_node=1, env=ENV, timeout_s=600)
+
+    def kill_node_1s_agent() -> bool:
+        """Asked as ``canceled`` (every ``CANCEL_POLL_S``): SIGKILL node 1's agent once both workers are up."""
+        workers = [line for line in lines if " pid " in line and line.startswith("[node 1]")]
+        if workers and len(_pids(lines)) == 2 and not killed:
+            killed.append(_parent(_pids(workers)[0]))
+            os.kill(killed[0], signal.SIGKILL)
+        return False
+
+    killed = []
+
+    with pytest.raises(LaunchFailed) as failed:
+        run_local(spec, on_line=lines.append, canceled=kill_node_1s_agent)
+    assert (failed.value.node, failed.value.exit_code) == (1, -signal.SIGKILL), str(failed.value)
+    assert failed.value.rule.retry
+    assert not any(alive(pid) for pid in _pids(lines)), "a worker outlived its killed agent"
