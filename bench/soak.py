@@ -300,7 +300,8 @@ def work_lost(faults: list[Fault], failures: list[float], retries: int, resumed_
 
 
 def processes(module: str, marker: str) -> dict[str, list[int]]:
-    """Live torchrun agents and training workers of the trainer ``module`` whose command line has ``marker``."""
+    """Live torchrun agents, training workers and agents' starters of the trainer ``module`` whose command line has
+    ``marker`` (``training_processes``)."""
     from vlm_assets.launch.local import training_processes
 
     return training_processes(module, marker)
@@ -736,7 +737,7 @@ class Soak:
                 continue
             problems.append(f"{key}: its files do not match its manifest")
         left = processes(target.module, str(home))
-        if left["agent"] or left["worker"]:
+        if any(left.values()):
             problems.append(f"processes left: {left}")
         if self.k8s is not None and (objects := self.k8s_objects()):
             problems.append(f"k8s objects left: {objects}")

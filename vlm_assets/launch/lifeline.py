@@ -1,7 +1,7 @@
 """Processes that die with their parent, by the kernel's guarantee (Linux ``PR_SET_PDEATHSIG``).
 
-The launcher starts each torchrun agent through this module, and each agent starts each worker
-from a copy of itself::
+The launcher starts each torchrun agent through this module (one per node, or all of a launch's nodes
+forked from one ``--agents`` process, below), and each agent starts each worker from a copy of itself::
 
     python -m vlm_assets.launch.lifeline --agent --nnodes=... -m <entry point> ...
 
@@ -107,7 +107,9 @@ def _prepared_agent(torchrun_args: list[str]):
 
     args = parse_args(torchrun_args)
     if not args.module:
-        raise SystemExit("usage: python -m vlm_assets.launch.lifeline --agent TORCHRUN_ARGS... -m MODULE ARGS...")
+        raise SystemExit(
+            "usage: python -m vlm_assets.launch.lifeline --agent[s] ... TORCHRUN_ARGS... -m MODULE ARGS..."
+        )
     if torch.version.cuda or torch.version.hip or os.environ.get(FRESH_WORKERS_ENV) == "1":
         args.training_script_args = ["--module", args.training_script, *args.training_script_args]
         args.training_script = _MODULE
@@ -130,21 +132,29 @@ def _prepared_agent(torchrun_args: list[str]):
 def _run_agents(outputs: list[int], status: int, torchrun_args: list[str]) -> None:
     """Fork one agent per descriptor of ``outputs`` after one import; report their PIDs and exit codes."""
     agent = _prepared_agent(torchrun_args)
-    # SIGTERM is the launcher's to each agent, which forwards it to its workers; ended first, this process
-    # would kill its agents by their parent-death signal before they could.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
+    nodes: dict[int, int] = {}  # pid -> node
+
+    def forward(sig: int, _frame) -> None:
+        # The launcher's signal is for the agents, which forward it to their workers; ended by it first, this
+        # process would kill them by their parent-death signal before they could. It also reaches an agent
+        # forked after the launcher read the process tree.
+        for pid in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    stops = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # held while forking: delivered once every agent can get it
     me = os.getpid()
-    nodes: dict[int, int] = {}
     for node, fd in enumerate(outputs):
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            die_with_parent(me)
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+            die_with_parent(me)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             for other in {*outputs, status}:
@@ -154,7 +164,12 @@ def _run_agents(outputs: list[int], status: int, torchrun_args: list[str]) -> No
         os.write(status, f"{node} pid {pid}\n".encode())
     for fd in outputs:
         os.close(fd)
+    for sig in stops:
+        signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
     while nodes:
+        # Any child, so that the first agent to end is reported at once, whichever it is; a process the imports
+        # had started would be reaped here too (this project's trainers start none at import).
         pid, code = os.wait()
         if pid in nodes:
             os.write(status, f"{nodes.pop(pid)} exit {os.waitstatus_to_exitcode(code)}\n".encode())

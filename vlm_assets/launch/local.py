@@ -41,7 +41,9 @@ class LaunchFailed(RuntimeError):
     """A node exited non-zero, or the job ran past its timeout."""
 
     node: int
-    exit_code: int | None  # the torchrun agent's exit code (None: stopped by the timeout)
+    # The torchrun agent's exit code (None: stopped by the timeout); of a node never forked (``_ForkedNode``),
+    # the code its starter ended with.
+    exit_code: int | None
     worker_exit_code: int | None  # the failing worker's own code when torchrun reports it (-9 = SIGKILL)
     tail: list[str]
     reason: str
@@ -181,8 +183,9 @@ class _ForkedNode:
         code = starter.wait()
         for node in nodes:
             if node.returncode is None:
-                # Its agent died by its parent-death signal, or was never forked.
-                node.returncode = code if code else -signal.SIGKILL
+                # A forked agent the starter did not see end died with it, by its parent-death signal; a node never
+                # forked failed as the starter did.
+                node.returncode = -signal.SIGKILL if node.pid is not None or not code else code
                 node._ended.set()
 
     def poll(self) -> int | None:
@@ -215,10 +218,14 @@ def _start_forked_nodes(spec, endpoint, run_id, env, lines) -> tuple[subprocess.
     finally:
         for fd in (*writes, status_write):
             os.close(fd)
-    nodes = [_ForkedNode(os.fdopen(r, buffering=1, errors="replace")) for r, _ in pipes]
-    for node, handle in enumerate(nodes):
-        threading.Thread(target=_pump, args=(node, handle.stdout, lines), daemon=True).start()
-    threading.Thread(target=_ForkedNode.follow, args=(nodes, starter, status_read), daemon=True).start()
+    try:
+        nodes = [_ForkedNode(os.fdopen(r, buffering=1, errors="replace")) for r, _ in pipes]
+        for node, handle in enumerate(nodes):
+            threading.Thread(target=_pump, args=(node, handle.stdout, lines), daemon=True).start()
+        threading.Thread(target=_ForkedNode.follow, args=(nodes, starter, status_read), daemon=True).start()
+    except BaseException:
+        stop_process_trees([starter])
+        raise
     return starter, nodes
 
 
@@ -311,25 +318,28 @@ def _children() -> dict[int, list[int]]:
 
 
 def training_processes(module: str, marker: str) -> dict[str, list[int]]:
-    """Return the PIDs of live torchrun agents (``agent``) and training workers (``worker``) of ``module``.
+    """Return the PIDs of live torchrun agents (``agent``), training workers (``worker``) and the processes that
+    forked a launch's agents (``starter``, ``lifeline --agents``) of ``module``.
 
     Only processes whose command line holds ``marker`` (a run's scratch path, say) count; they are read from
-    Linux ``/proc``. A forked worker has its agent's command line: an agent is the one whose parent's differs.
+    Linux ``/proc``. A forked process keeps its parent's command line: which role each has, its ancestors tell.
     """
-    found: dict[str, list[int]] = {"agent": [], "worker": []}
+    found: dict[str, list[int]] = {"agent": [], "worker": [], "starter": []}
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         text = _cmdline(cmdline)
         if text is None or module not in text or marker not in text:
             continue
         pid = int(cmdline.parent.name)
-        # A pod's agent is torchrun's own CLI (launch.k8s). A local one is lifeline's, started by the launcher
-        # or forked, one per node, from the process that started the nodes (``--agents``, itself counted an
-        # agent); a forked process keeps its parent's command line.
+        # A pod's agent is torchrun's own CLI (launch.k8s). A local one is lifeline's, started by the launcher,
+        # or forked from a starter, one per node.
         forked = _forks_above(pid, text)
-        agent = "torch.distributed.run" in text or (
-            f"{_LIFELINE} --agent" in text and forked <= (1 if f"{_LIFELINE} --agents" in text else 0)
-        )
-        found["agent" if agent else "worker"].append(pid)
+        if f"{_LIFELINE} --agents" in text:
+            role = ("starter", "agent", "worker")[min(forked, 2)]
+        elif "torch.distributed.run" in text or f"{_LIFELINE} --agent" in text:
+            role = "worker" if forked else "agent"
+        else:
+            role = "worker"
+        found[role].append(pid)
     return found
 
 

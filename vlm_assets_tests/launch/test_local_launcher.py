@@ -201,7 +201,7 @@ if __name__ == "__main__":
     agent = os.getppid()
     where = {_parent(agent): "the agents' parent", agent: "the agent", os.getpid(): "the worker"}.get(probe_imports.PID)
     print(f"imported by {where}; worker {os.getpid() in roles['worker']}, agent {agent in roles['agent']}, "
-          f"agents' parent an agent {_parent(agent) in roles['agent']}")
+          f"agents' parent a starter {_parent(agent) in roles['starter']}")
     atexit.register(print, "exit handler ran", flush=True)
 """
 
@@ -209,7 +209,7 @@ if __name__ == "__main__":
 @pytest.mark.slow
 def test_two_nodes_agents_are_forked_from_one_import_and_each_node_is_told_apart(tmp_path):
     """The nodes' agents are forked from the process that imported the trainer for both; each node's output
-    stays its own, and ``training_processes`` counts that process and the agents as agents."""
+    stays its own, and ``training_processes`` tells that process, the agents and the workers apart."""
     (tmp_path / "probe_imports.py").write_text("import os\nPID = os.getpid()\n")
     (tmp_path / "forked_probe.py").write_text(PROBE_NODES)
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
@@ -218,7 +218,7 @@ def test_two_nodes_agents_are_forked_from_one_import_and_each_node_is_told_apart
     run_local(spec, on_line=lines.append)
     for node in (0, 1):
         assert [line.split("] ", 1)[1] for line in lines if line.startswith(f"[node {node}]")] == [
-            "imported by the agents' parent; worker True, agent True, agents' parent an agent True",
+            "imported by the agents' parent; worker True, agent True, agents' parent a starter True",
             "exit handler ran",
         ], "\n".join(lines)
 
