@@ -149,7 +149,8 @@ def run_local(
     finally:
         stop_process_trees([p for p in nodes if p.poll() is None])
         if starter is not None:
-            stop_process_trees([starter] if starter.poll() is None else [])
+            if starter.poll() is None:
+                stop_process_trees([starter])
             starter.wait()
         for proc in nodes:
             if proc.stdout:
