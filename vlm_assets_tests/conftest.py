@@ -137,12 +137,14 @@ class Embedded:
 
 
 def default_signals() -> None:
-    """``preexec_fn`` of a server a test stops with SIGTERM: the default SIGINT and SIGTERM. An ignored
-    signal stays ignored across exec, and this process's SIGINT may be ignored (a suite started in the
-    background by a shell, or left so by library code run in-process: Lightning ignores it after an
-    interrupt). `dagster dev` maps SIGTERM to its SIGINT handler, so it would then never stop."""
+    """``preexec_fn`` of a process a test stops with SIGTERM: SIGINT and SIGTERM at their defaults and
+    unblocked. An ignored or blocked signal stays so across exec, and this process's SIGINT may be ignored
+    (a suite started in the background by a shell, or left so by library code run in-process: Lightning
+    ignores it after an interrupt). `dagster dev` maps SIGTERM to its SIGINT handler, so it would then
+    never stop."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def free_port() -> int:
