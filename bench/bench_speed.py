@@ -8,6 +8,7 @@ floor over the whole run say whether a change cut work or only idle time.
     python bench/bench_speed.py --baseline REV                    # main_job, native kernels
     python bench/bench_speed.py --baseline REV --kernels native avx2 --suite --write
     python bench/bench_speed.py --baseline REV --kernels avx2 --repeat 3 --write   # main_job's spread
+    python bench/bench_speed.py --baseline REV --kernels avx2 --suite --repeat 0 --write   # the suites only
 
 The earlier commit is checked out into a temporary git worktree and runs on this checkout's virtual
 environment (its code first on PYTHONPATH), so only the code differs.
@@ -136,9 +137,11 @@ def report(results: dict, ran: dict) -> str:
                 "",
             ]
         lines += [f"| | {old_name} | {new_name} | new / old |", "|---|---:|---:|---:|"]
-        pairs = [("main_job, first run (s)", statistics.median(runs[0]), statistics.median(runs[1]))]
-        for step in dict.fromkeys([*old["main_job"]["steps"], *new["main_job"]["steps"]]):
-            pairs.append((f"  {step} (s)", old["main_job"]["steps"].get(step), new["main_job"]["steps"].get(step)))
+        pairs = []
+        if repeat:
+            pairs.append(("main_job, first run (s)", statistics.median(runs[0]), statistics.median(runs[1])))
+            for step in dict.fromkeys([*old["main_job"]["steps"], *new["main_job"]["steps"]]):
+                pairs.append((f"  {step} (s)", old["main_job"]["steps"].get(step), new["main_job"]["steps"].get(step)))
         if with_suite:
             pairs.append(("test suite (s)", old["suite"]["seconds"], new["suite"]["seconds"]))
             pairs.append(("  busy core-seconds", old["suite"]["busy_core_s"], new["suite"]["busy_core_s"]))
@@ -146,7 +149,8 @@ def report(results: dict, ran: dict) -> str:
         for label, a, b in pairs:
             ratio = f"{b / a:.2f}" if a and b else "-"
             lines.append(f"| {label} | {a or 0:.1f} | {b or 0:.1f} | {ratio} |")
-        for label, key in (("gain's 95 % lower bound", "gain_ci95_low"), ("VQA 95 % lower bound", "vqa_ci95_low")):
+        gates = (("gain's 95 % lower bound", "gain_ci95_low"), ("VQA 95 % lower bound", "vqa_ci95_low"))
+        for label, key in gates if repeat else ():
             lines.append(
                 f"| {label} | {100 * old['main_job'][key]:+.1f} pts | {100 * new['main_job'][key]:+.1f} pts | |"
             )
@@ -171,11 +175,13 @@ def main() -> None:
     parser.add_argument("--baseline", required=True, help="the earlier commit (any git revision)")
     parser.add_argument("--kernels", nargs="+", default=["native"], choices=sorted(results_file.KERNELS))
     parser.add_argument("--suite", action="store_true", help="also time the whole CPU test suite of both")
-    parser.add_argument("--repeat", type=int, default=1, help="main_job runs per commit, old and new in turn")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="main_job runs per commit, old and new in turn (0: the suites only)"
+    )
     parser.add_argument("--write", action="store_true", help="write bench/results/speed_<machine>_<date>.{md,json}")
     args = parser.parse_args()
-    if args.repeat < 1:
-        parser.error(f"--repeat: at least 1 run per commit, not {args.repeat}")
+    if args.repeat < 0 or (args.repeat == 0 and not args.suite):
+        parser.error(f"--repeat: at least 1 run per commit, or 0 with --suite; not {args.repeat}")
     avx512 = any(v.startswith("avx512") for v in results_file.cpu()["vector_extensions"])
     if "avx2" in args.kernels and not avx512:
         print("this CPU has no AVX-512: its native kernels are the AVX2 ones; measuring `native` only")

@@ -1,5 +1,6 @@
-"""bench/bench_speed.py's report: old against new per kernel set, the median of repeated main_job runs, and
-a baseline suite that crashed before its first test still reported beside the new one, with its failures."""
+"""bench/bench_speed.py's report: old against new per kernel set, the median of repeated main_job runs, a
+baseline suite that crashed before its first test still reported beside the new one, with its failures, and
+the suites alone."""
 
 import sys
 from pathlib import Path
@@ -39,3 +40,21 @@ def test_the_report_gives_medians_ratios_and_a_crashed_baseline_suite_its_own_li
     # the failed suite's -rfE lines are listed; the passing one gets no such list
     assert "baseline abc's failed tests:" in lines and "- `ERROR a.py - ImportError`" in lines
     assert "this checkout's failed tests:" not in lines
+
+
+def test_a_suites_only_report_has_no_main_job_rows_or_gates():
+    def suite(seconds: float) -> dict:
+        return {
+            "seconds": seconds,
+            "summary": "1 passed",
+            "busy_core_s": 2 * seconds,
+            "floor_s": seconds,
+            "tests": [{"test": "a.py::t", "wall_s": seconds, "busy_core_s": 2 * seconds}],
+            "processes": [],
+        }
+
+    old, new = {"main_job_seconds": [], "suite": suite(2000.0)}, {"main_job_seconds": [], "suite": suite(1000.0)}
+    text = bench_speed.report({"avx2": {"baseline abc": old, "this checkout": new}}, {"avx2": "AVX2"})
+    lines = text.splitlines()
+    assert "| test suite (s) | 2000.0 | 1000.0 | 0.50 |" in lines
+    assert "main_job" not in text and "lower bound" not in text
