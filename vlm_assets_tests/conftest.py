@@ -57,7 +57,6 @@ BESIDE = (
     "defs/test_concurrent_runs.py",
     "defs/test_pool_wait.py",
     "storage/test_artifact_stores.py",
-    "launch/test_retry_rule.py",
     "test_gpu_kit.py",
     "train/test_visualchat_train.py",
 )

@@ -442,7 +442,8 @@ def test_training_that_fails_for_good_materializes_a_partial_that_blocks(pipelin
                         os.kill(pid, signal.SIGKILL)
             done.wait(0.05)
 
-    # A new cache key (epochs=4) whose checkpoints do not exist yet: every attempt dies after one epoch.
+    # A new cache key (epochs=4, 64 rows an epoch) whose checkpoints do not exist yet: the first attempt
+    # dies after its first epoch, each retry as soon as its workers exist.
     before = set(env.root.glob("artifacts/checkpoints/occlusion_adapter/*"))
     killer = threading.Thread(target=kill_every_attempt_after_a_checkpoint)
     killer.start()
@@ -452,6 +453,7 @@ def test_training_that_fails_for_good_materializes_a_partial_that_blocks(pipelin
                 offline_data,
                 adapter={
                     "optimizer": {"epochs": 4, "reconstruction_warmup_epochs": 4},
+                    "data": {"num_train": 64, "num_validation": 64},
                     "checkpoint": {"materialize_partial_on_failure": True},
                 },
             ),

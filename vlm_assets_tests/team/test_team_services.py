@@ -349,8 +349,17 @@ def test_instance_migrate_on_a_copy_keeps_every_run(team):
     pg = sorted(Path("/usr/lib/postgresql").glob("*/bin"))[-1]
     conn = ["-h", "127.0.0.1", "-p", team.env["DAGSTER_PG_PORT"], "-U", "vlm"]
     subprocess.run([pg / "createdb", *conn, "dagster_copy"], env=env, check=True)
+    import dagster as dg
+
+    @dg.asset
+    def migrate_marker() -> int:
+        return 1
+
+    # a finished run of this test's own, whichever tests ran before it
+    marker = dg.materialize_to_memory([migrate_marker], instance=team.instance()).run_id
     # the runs as they stand before the dump: a run the daemon still launches moves on in the original
     before = {r.run_id: r for r in team.instance().get_runs()}
+    assert before[marker].status == dg.DagsterRunStatus.SUCCESS
     dump = subprocess.run([pg / "pg_dump", *conn, "dagster"], env=env, check=True, capture_output=True).stdout
     subprocess.run(
         [pg / "psql", *conn, "-q", "-d", "dagster_copy"], input=dump, env=env, check=True, capture_output=True
@@ -359,14 +368,12 @@ def test_instance_migrate_on_a_copy_keeps_every_run(team):
     assert migrate.returncode == 0, migrate.stderr[-2000:]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DAGSTER_PG_DB", "dagster_copy")
-        import dagster as dg
-
         for k, v in team.env.items():
             if k != "DAGSTER_PG_DB":
                 mp.setenv(k, v)
         copy = dg.DagsterInstance.from_config(team.env["DAGSTER_HOME"])
         copied = {r.run_id: r.status for r in copy.get_runs()}
-        assert set(before) <= set(copied)
+        assert set(before) <= set(copied) and copied[marker] == dg.DagsterRunStatus.SUCCESS
         assert {i: copied[i] for i, r in before.items() if r.is_finished} == {
             i: r.status for i, r in before.items() if r.is_finished
         }
