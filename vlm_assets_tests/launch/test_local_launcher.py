@@ -131,8 +131,11 @@ def test_a_lifeline_module_runs_its_exit_handlers_then_skips_the_last_collection
     """A worker's exit handlers run; then its objects are frozen, so the interpreter's last collections
     pass over them (the finalizer of an object in a reference cycle does not run). An exception still
     ends it with its traceback and status 1."""
+    # Automatic collections off: an allocation-triggered one (printing a traceback) could collect the
+    # cycle before the exit handlers; only the interpreter's last collections may, which the freeze skips.
     (tmp_path / "worker_at_exit.py").write_text(
-        "import atexit, sys\n"
+        "import atexit, gc, sys\n"
+        "gc.disable()\n"
         "class Cycle:\n"
         "    def __del__(self):\n"
         "        print('collected at exit')\n"
