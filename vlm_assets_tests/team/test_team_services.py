@@ -356,9 +356,10 @@ def test_instance_migrate_on_a_copy_keeps_every_run(team):
         return 1
 
     # a finished run of this test's own, whichever tests ran before it
-    marker = dg.materialize_to_memory([migrate_marker], instance=team.instance()).run_id
+    original = team.instance()
+    marker = dg.materialize_to_memory([migrate_marker], instance=original).run_id
     # the runs as they stand before the dump: a run the daemon still launches moves on in the original
-    before = {r.run_id: r for r in team.instance().get_runs()}
+    before = {r.run_id: r for r in original.get_runs()}
     assert before[marker].status == dg.DagsterRunStatus.SUCCESS
     dump = subprocess.run([pg / "pg_dump", *conn, "dagster"], env=env, check=True, capture_output=True).stdout
     subprocess.run(
