@@ -356,6 +356,13 @@ def torn_problems(reader, key: str) -> list[str]:
     return problems if problems and reader.exists(key) else []
 
 
+def listed_problems(manifest, objects: dict[str, int]) -> bool:
+    """Whether one listing of a committed key (each object's path below the key -> its size) lacks a file
+    of ``manifest`` or holds it at another size."""
+    base = f"{manifest.location}/" if manifest.location else ""
+    return any(objects.get(base + rel) != listed["size"] for rel, listed in manifest.files.items())
+
+
 def unfired(faults: list[Fault]) -> list[str]:
     """A scheduled fault that never fired is a soak that did not test what it says."""
     return [f"fault {f.kind} after step {f.after_step} never fired" for f in faults if f.fired_at is None]
@@ -550,6 +557,8 @@ class Soak:
         from mlflow import MlflowClient
 
         from vlm_assets.defs.platform.storage import S3ArtifactStoreResource
+        from vlm_assets.storage import ArtifactNotFoundError
+        from vlm_assets.storage.artifact_store import MANIFEST_NAME
 
         home = self.root / f"{name}-{target.asset}"
         scratch = home / "runs"  # VLM_ASSETS_HOME/runs: each launch's scratch, checkpoints staged there
@@ -591,34 +600,56 @@ class Soak:
         torn: list[str] = []
         checked: set[str] = set()
 
+        manifests: dict[tuple[str, str], Any] = {}  # (checkpoint key, its manifest's ETag) -> that manifest
+
         def checkpoint_keys() -> list[str]:
-            keys, base = [], f"{prefix}/checkpoints/{target.asset}/"
+            """The committed checkpoints' keys, each checked against its manifest in this poll's one listing.
+
+            A commit is read once, as any reader reads it (``torn_problems``); after that each poll compares
+            the listing with the manifest read then, and asks the store again only when they disagree (the
+            store's own check is a GET and a listing per key: at every poll, most of the S3 server's work)."""
+            listing, base = {}, f"{prefix}/checkpoints/{target.asset}/"
             for page in self.direct.get_paginator("list_objects_v2").paginate(Bucket="soak", Prefix=base):
                 for obj in page.get("Contents", []):
                     parts = obj["Key"][len(prefix) + 1 :].split("/")
-                    if parts[-1] == "_COMPLETE.json" and parts[-2].startswith("step-"):
-                        keys.append("/".join(parts[:-1]))
+                    at = next((i for i, part in enumerate(parts) if part.startswith("step-")), None)
+                    if at is not None:
+                        listing.setdefault("/".join(parts[: at + 1]), {})["/".join(parts[at + 1 :])] = obj
+            keys = sorted(key for key, objects in listing.items() if MANIFEST_NAME in objects)
+            for key in keys:
+                objects = listing[key]
+                commit = (key, objects[MANIFEST_NAME]["ETag"])
+                if commit not in manifests:
+                    problems = torn_problems(reader, key)
+                    with contextlib.suppress(ArtifactNotFoundError):  # deleted meanwhile: not listed next time
+                        manifests[commit] = reader.read_manifest(key)
+                elif listed_problems(manifests[commit], {rel: obj["Size"] for rel, obj in objects.items()}):
+                    problems = torn_problems(reader, key)
+                else:
+                    problems = []
+                if problems:
+                    torn.append(f"{key}: {problems}")
             return keys
 
         def schedule():  # the reader and the fault schedule
             from vlm_assets.launch.local import alive
 
-            pending, ballast = list(faults), None
+            pending, ballast, polls = list(faults), None, 0
             while not stop.is_set():
+                polls += 1
                 if ballast and not any(alive(pid) for pid in ballast[1].victims):
                     ballast[0].unlink()  # the attempt that met the full disk has ended: space is back
                     ballast = None
                 elif ballast:
                     fill(scratch)  # still full: space freed since (an uploaded checkpoint's staging) is taken
-                for prefix_ in (target.asset, target.upstream):
+                # The assets' keys are committed once a run and checked once: every fifth poll looks for new ones
+                # (a listing is a scan of the bucket for the S3 server); the checkpoints' listing is every poll's.
+                for prefix_ in (target.asset, target.upstream) if polls % 5 == 1 else ():
                     for key in reader.list_complete(prefix_):
                         if key not in checked and (problems := torn_problems(reader, key)):
                             torn.append(f"{key}: {problems}")
                         checked.add(key)
                 keys = checkpoint_keys()
-                for key in keys:
-                    if problems := torn_problems(reader, key):
-                        torn.append(f"{key}: {problems}")
                 steps[:] = sorted(int(k.rsplit("-", 1)[1]) for k in keys)
                 if pending and steps and steps[-1] >= pending[0].after_step:
                     fault = pending.pop(0)

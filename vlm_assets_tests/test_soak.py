@@ -168,6 +168,26 @@ def test_the_watcher_reports_a_partial_file_and_an_unreadable_manifest_not_a_del
     assert soak.torn_problems(store, "a/deleted") == []
 
 
+def test_a_listing_that_lacks_a_manifests_file_or_holds_another_size_disagrees_with_it(tmp_path):
+    """The watcher's check between reads of a commit: one listing of the key against the manifest it read."""
+    import dataclasses
+
+    from vlm_assets.storage.artifact_store import ArtifactManifest
+
+    soak = _soak_module()
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"x" * 1000)
+    (tmp_path / "shards" / "0.bin").write_bytes(b"y" * 10)
+    manifest = ArtifactManifest.of_directory("ckpt/step-6", tmp_path, {})
+    at = dataclasses.replace(manifest, location=manifest.digest)  # where an S3 commit puts the files
+    listing = {"weights.bin": 1000, "shards/0.bin": 10}
+    assert not soak.listed_problems(manifest, listing)
+    assert soak.listed_problems(manifest, {"weights.bin": 1000})  # a file gone while the manifest is listed
+    assert soak.listed_problems(manifest, {**listing, "weights.bin": 999})
+    assert not soak.listed_problems(at, {f"{at.location}/{rel}": size for rel, size in listing.items()})
+    assert soak.listed_problems(at, listing)  # the files below another location than the manifest's
+
+
 def test_a_fault_that_never_fired_or_a_soak_cut_short_is_a_failure():
     soak = _soak_module()
     fired = soak.Fault("s3-500", 6, 8, fired_at=6, fired_time=1.0)
