@@ -356,11 +356,11 @@ def torn_problems(reader, key: str) -> list[str]:
     return problems if problems and reader.exists(key) else []
 
 
-def listed_problems(manifest, objects: dict[str, int]) -> bool:
-    """Whether one listing of a committed key (each object's path below the key -> its size) lacks a file
-    of ``manifest`` or holds it at another size."""
+def listed_problems(manifest, objects: dict[str, int]) -> list[str]:
+    """What one listing of a committed key (each object's path below the key -> its size) shows wrong with
+    the files of ``manifest``: one absent, or at another size."""
     base = f"{manifest.location}/" if manifest.location else ""
-    return any(objects.get(base + rel) != listed["size"] for rel, listed in manifest.files.items())
+    return manifest.size_problems({path[len(base) :]: size for path, size in objects.items() if path.startswith(base)})
 
 
 def unfired(faults: list[Fault]) -> list[str]:
@@ -605,9 +605,9 @@ class Soak:
         def checkpoint_keys() -> list[str]:
             """The committed checkpoints' keys, each checked against its manifest in this poll's one listing.
 
-            A commit is read once, as any reader reads it (``torn_problems``); after that each poll compares
-            the listing with the manifest read then, and asks the store again only when they disagree (the
-            store's own check is a GET and a listing per key: at every poll, most of the S3 server's work)."""
+            A commit's manifest is read once; each poll compares the listing with it and asks the store, as
+            any reader asks it (``torn_problems``), only when they disagree (the store's own check is a GET
+            and a listing per key: at every poll, most of the S3 server's work)."""
             listing, base = {}, f"{prefix}/checkpoints/{target.asset}/"
             for page in self.direct.get_paginator("list_objects_v2").paginate(Bucket="soak", Prefix=base):
                 for obj in page.get("Contents", []):
@@ -620,14 +620,17 @@ class Soak:
                 objects = listing[key]
                 commit = (key, objects[MANIFEST_NAME]["ETag"])
                 if commit not in manifests:
-                    problems = torn_problems(reader, key)
-                    with contextlib.suppress(ArtifactNotFoundError):  # deleted meanwhile: not listed next time
+                    try:
                         manifests[commit] = reader.read_manifest(key)
-                elif listed_problems(manifests[commit], {rel: obj["Size"] for rel, obj in objects.items()}):
-                    problems = torn_problems(reader, key)
-                else:
-                    problems = []
-                if problems:
+                    except ArtifactNotFoundError:  # deleted meanwhile: not listed next time
+                        continue
+                    except Exception:  # unreadable: the store's own check says how, once
+                        manifests[commit] = None
+                        if problems := torn_problems(reader, key):
+                            torn.append(f"{key}: {problems}")
+                manifest = manifests[commit]
+                sizes = {rel: obj["Size"] for rel, obj in objects.items()}
+                if manifest and listed_problems(manifest, sizes) and (problems := torn_problems(reader, key)):
                     torn.append(f"{key}: {problems}")
             return keys
 

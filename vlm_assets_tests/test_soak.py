@@ -181,11 +181,14 @@ def test_a_listing_that_lacks_a_manifests_file_or_holds_another_size_disagrees_w
     manifest = ArtifactManifest.of_directory("ckpt/step-6", tmp_path, {})
     at = dataclasses.replace(manifest, location=manifest.digest)  # where an S3 commit puts the files
     listing = {"weights.bin": 1000, "shards/0.bin": 10}
-    assert not soak.listed_problems(manifest, listing)
-    assert soak.listed_problems(manifest, {"weights.bin": 1000})  # a file gone while the manifest is listed
-    assert soak.listed_problems(manifest, {**listing, "weights.bin": 999})
-    assert not soak.listed_problems(at, {f"{at.location}/{rel}": size for rel, size in listing.items()})
-    assert soak.listed_problems(at, listing)  # the files below another location than the manifest's
+    assert soak.listed_problems(manifest, listing) == []
+    gone = ["shards/0.bin: listed in the manifest but missing"]
+    assert soak.listed_problems(manifest, {"weights.bin": 1000}) == gone  # gone while the manifest is listed
+    assert soak.listed_problems(manifest, {**listing, "weights.bin": 999}) == [
+        "weights.bin: 999 bytes, the manifest says 1000"
+    ]
+    assert soak.listed_problems(at, {f"{at.location}/{rel}": size for rel, size in listing.items()}) == []
+    assert len(soak.listed_problems(at, listing)) == 2  # the files below another location than the manifest's
 
 
 def test_a_fault_that_never_fired_or_a_soak_cut_short_is_a_failure():

@@ -75,6 +75,16 @@ class ArtifactManifest:
         """The total size of the artifact's files in bytes."""
         return sum(f["size"] for f in self.files.values())
 
+    def size_problems(self, sizes: dict[str, int]) -> list[str]:
+        """The listed files absent from ``sizes`` (path relative to the artifact -> size) or at another size."""
+        problems = []
+        for rel, expected in self.files.items():
+            if rel not in sizes:
+                problems.append(f"{rel}: listed in the manifest but missing")
+            elif sizes[rel] != expected["size"]:
+                problems.append(f"{rel}: {sizes[rel]} bytes, the manifest says {expected['size']}")
+        return problems
+
     def to_json(self) -> str:
         """Return the manifest as JSON text, keys sorted."""
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
@@ -146,14 +156,7 @@ class ArtifactStore(ABC):
         ``verify`` re-hashes everything.
         """
         manifest = self.read_manifest(key)
-        sizes = self._listed_sizes(key, manifest)
-        problems = []
-        for rel, expected in manifest.files.items():
-            if rel not in sizes:
-                problems.append(f"{rel}: listed in the manifest but missing")
-            elif sizes[rel] != expected["size"]:
-                problems.append(f"{rel}: {sizes[rel]} bytes, the manifest says {expected['size']}")
-        return problems
+        return manifest.size_problems(self._listed_sizes(key, manifest))
 
     def lease(self, key: str, holder: dict[str, Any], ttl_s: float, log: Callable[[str], None] | None = None) -> Lease:
         """Return a lease on building ``key`` (see ``vlm_assets.storage.lease``)."""
