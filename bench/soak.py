@@ -363,6 +363,33 @@ def listed_problems(manifest, objects: dict[str, int]) -> list[str]:
     return manifest.size_problems({path[len(base) :]: size for path, size in objects.items() if path.startswith(base)})
 
 
+def commit_problems(reader, manifests: dict, key: str, objects: dict[str, dict]) -> list[str]:
+    """What one poll finds wrong with the committed checkpoint ``key`` in ``objects``, its listing (each
+    object's path below the key -> the S3 object, with its ``Size`` and ``ETag``).
+
+    A commit's manifest is read once into ``manifests`` (key and manifest ETag -> the manifest); each
+    poll compares its listing with it and asks the store, as any reader asks it (``torn_problems``), only
+    when they disagree: the store's own check is a GET and a listing per key, at every poll most of the
+    S3 server's work."""
+    from vlm_assets.storage import ArtifactNotFoundError
+    from vlm_assets.storage.artifact_store import MANIFEST_NAME
+
+    commit = (key, objects[MANIFEST_NAME]["ETag"])
+    if commit not in manifests:
+        try:
+            manifests[commit] = reader.read_manifest(key)
+        except ArtifactNotFoundError:  # deleted meanwhile: not listed next time
+            return []
+        except Exception:  # reported once when the store's own check says what is wrong, else read again
+            if problems := torn_problems(reader, key):
+                manifests[commit] = None
+            return problems
+    manifest = manifests[commit]
+    if manifest is None or not listed_problems(manifest, {rel: obj["Size"] for rel, obj in objects.items()}):
+        return []
+    return torn_problems(reader, key)
+
+
 def unfired(faults: list[Fault]) -> list[str]:
     """A scheduled fault that never fired is a soak that did not test what it says."""
     return [f"fault {f.kind} after step {f.after_step} never fired" for f in faults if f.fired_at is None]
@@ -557,7 +584,6 @@ class Soak:
         from mlflow import MlflowClient
 
         from vlm_assets.defs.platform.storage import S3ArtifactStoreResource
-        from vlm_assets.storage import ArtifactNotFoundError
         from vlm_assets.storage.artifact_store import MANIFEST_NAME
 
         home = self.root / f"{name}-{target.asset}"
@@ -603,11 +629,7 @@ class Soak:
         manifests: dict[tuple[str, str], Any] = {}  # (checkpoint key, its manifest's ETag) -> that manifest
 
         def checkpoint_keys() -> list[str]:
-            """The committed checkpoints' keys, each checked against its manifest in this poll's one listing.
-
-            A commit's manifest is read once; each poll compares the listing with it and asks the store, as
-            any reader asks it (``torn_problems``), only when they disagree (the store's own check is a GET
-            and a listing per key: at every poll, most of the S3 server's work)."""
+            """The committed checkpoints' keys, each checked against its manifest in this poll's one listing."""
             listing, base = {}, f"{prefix}/checkpoints/{target.asset}/"
             for page in self.direct.get_paginator("list_objects_v2").paginate(Bucket="soak", Prefix=base):
                 for obj in page.get("Contents", []):
@@ -617,20 +639,7 @@ class Soak:
                         listing.setdefault("/".join(parts[: at + 1]), {})["/".join(parts[at + 1 :])] = obj
             keys = sorted(key for key, objects in listing.items() if MANIFEST_NAME in objects)
             for key in keys:
-                objects = listing[key]
-                commit = (key, objects[MANIFEST_NAME]["ETag"])
-                if commit not in manifests:
-                    try:
-                        manifests[commit] = reader.read_manifest(key)
-                    except ArtifactNotFoundError:  # deleted meanwhile: not listed next time
-                        continue
-                    except Exception:  # unreadable: the store's own check says how, once
-                        manifests[commit] = None
-                        if problems := torn_problems(reader, key):
-                            torn.append(f"{key}: {problems}")
-                manifest = manifests[commit]
-                sizes = {rel: obj["Size"] for rel, obj in objects.items()}
-                if manifest and listed_problems(manifest, sizes) and (problems := torn_problems(reader, key)):
+                if problems := commit_problems(reader, manifests, key, listing[key]):
                     torn.append(f"{key}: {problems}")
             return keys
 

@@ -188,7 +188,56 @@ def test_a_listing_that_lacks_a_manifests_file_or_holds_another_size_disagrees_w
         "weights.bin: 999 bytes, the manifest says 1000"
     ]
     assert soak.listed_problems(at, {f"{at.location}/{rel}": size for rel, size in listing.items()}) == []
-    assert len(soak.listed_problems(at, listing)) == 2  # the files below another location than the manifest's
+    # the files below another location than the manifest's
+    assert soak.listed_problems(at, listing) == [
+        f"{rel}: listed in the manifest but missing" for rel in sorted(listing)
+    ]
+    assert soak.listed_problems(at, {"weights.bin": 1000, f"{at.location}/shards/0.bin": 10}) == [
+        "weights.bin: listed in the manifest but missing"
+    ]
+
+
+def test_a_commit_is_read_once_then_checked_against_each_polls_listing(tmp_path):
+    """The watcher's check of one committed checkpoint at each poll, on a real local store: its manifest
+    read once; the store asked again only when a listing disagrees; an unreadable manifest reported once;
+    a key deleted meanwhile left alone."""
+    from vlm_assets.storage import LocalArtifactStore
+
+    soak = _soak_module()
+    store = LocalArtifactStore(str(tmp_path / "store"))
+    roots = {}
+    for key in ("c/step-6", "c/step-12", "c/step-18"):
+        with store.staging_dir(key) as staging:
+            (staging / "weights.bin").write_bytes(b"x" * 1000)
+            store.commit(key, staging, {})
+        roots[key] = store.local_path(key)
+    reads = []
+    read_manifest = store.read_manifest
+    store.read_manifest = lambda key: reads.append(key) or read_manifest(key)
+
+    def listing(key: str, etag: str = "e1") -> dict[str, dict]:
+        files = (p for p in roots[key].rglob("*") if p.is_file())
+        return {p.relative_to(roots[key]).as_posix(): {"Size": p.stat().st_size, "ETag": etag} for p in files}
+
+    manifests = {}
+    assert soak.commit_problems(store, manifests, "c/step-6", listing("c/step-6")) == []
+    assert soak.commit_problems(store, manifests, "c/step-6", listing("c/step-6")) == []
+    assert reads == ["c/step-6"]
+    (roots["c/step-6"] / "weights.bin").write_bytes(b"x" * 10)
+    torn = soak.commit_problems(store, manifests, "c/step-6", listing("c/step-6"))
+    assert torn == ["weights.bin: 10 bytes, the manifest says 1000"]
+    assert len(reads) > 1 and set(reads) == {"c/step-6"}  # the store asked, once the listing disagreed
+
+    manifest = roots["c/step-12"] / "_COMPLETE.json"
+    manifest.write_text(manifest.read_text()[:40])  # cut mid-write
+    unreadable = soak.commit_problems(store, manifests, "c/step-12", listing("c/step-12"))
+    assert len(unreadable) == 1 and unreadable[0].startswith("unreadable manifest: ")
+    assert soak.commit_problems(store, manifests, "c/step-12", listing("c/step-12")) == []
+
+    before = listing("c/step-18")
+    store.delete("c/step-18")
+    assert soak.commit_problems(store, manifests, "c/step-18", before) == []
+    assert not [commit for commit in manifests if commit[0] == "c/step-18"]  # not cached: read if listed again
 
 
 def test_a_fault_that_never_fired_or_a_soak_cut_short_is_a_failure():
