@@ -19,7 +19,7 @@ process (the run worker), its steps in processes it spawns (the multiprocess exe
 a tiny GPT-2 on 1 node of 2 processes, ZeRO-2 (24 steps, a checkpoint every 4; ``--demo``: 48 every 8).
 Each run gets 1 or 2 faults from a schedule drawn from ``--seed``, each fired by the S3 fault proxy
 when it answers the commit of a checkpoint at or past a drawn step (the commit stored, the trainer not
-yet told: each fault meets the training at the same point in every run): a SIGKILL of a training
+yet told: each fault fires at the same point of the training in every run): a SIGKILL of a training
 worker, of a torchrun agent, of the step process or of the run worker; a pod deleted or evicted
 (``--launcher k8s``); the S3 server answering 500 or dropping the connection for the next 1-8 writes (a
 checkpoint's or the final commit's; boto3 tries each request 3 times, its standard retry mode, so a
@@ -100,8 +100,8 @@ def fill(directory: Path) -> Path:
     """A ballast file that takes every free byte of ``directory``'s file system (grown again by each
     call: the space a finished upload's staging frees is taken back, so the disk stays full)."""
     ballast = directory / ".ballast"
-    # Unbuffered: a buffered file keeps the bytes of a short write and fails again on close (ENOSPC
-    # out of the with statement), which had killed the fault schedule with the disk left full.
+    # Unbuffered: a buffered file keeps the bytes of a short write and raises ENOSPC again on close,
+    # outside the suppress below.
     with open(ballast, "ab", buffering=0) as f:
         chunk = b"\0" * (1 << 20)
         with contextlib.suppress(OSError):  # ENOSPC: full
@@ -116,20 +116,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# A checkpoint's commit: the PUT of its manifest (vlm_assets.storage.artifact_store.MANIFEST_NAME)
-CHECKPOINT_COMMIT = re.compile(r"/checkpoints/[^?]+/step-(\d+)/_COMPLETE\.json(?:\?|$)")
-
-
 class FaultProxy:
     """An HTTP proxy in front of a server (S3's, MLflow's) that fails the next N writes (not lease
     records) on demand: a 500 with S3's InternalError body, or a connection closed without an answer;
     or, while it is down (``down_for``), closes every connection unanswered, as a stopped server would.
-    ``on_commit(step)``, when set, runs once a checkpoint's commit is stored and before it is answered."""
+    ``on_commit(path, step)``, when set, runs once a checkpoint's commit (the PUT of its manifest) is
+    stored and before it is answered."""
 
     def __init__(self, upstream_port: int):
+        from vlm_assets.storage.artifact_store import MANIFEST_NAME
+
         self.lock = threading.Lock()
         self.mode, self.left, self.injected, self.down_until = None, 0, 0, 0.0
-        self.on_commit: Callable[[int], None] | None = None
+        self.on_commit: Callable[[str, int], None] | None = None
+        commit = re.compile(rf"/checkpoints/[^?]+/step-(\d+)/{re.escape(MANIFEST_NAME)}(?:\?|$)")
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -159,9 +159,9 @@ class FaultProxy:
                 response = upstream.getresponse()
                 payload = response.read()
                 on_commit = proxy.on_commit
-                commit = CHECKPOINT_COMMIT.search(self.path) if self.command == "PUT" else None
-                if on_commit and commit and response.status == 200:
-                    on_commit(int(commit.group(1)))
+                committed = commit.search(self.path) if self.command == "PUT" else None
+                if on_commit and committed and response.status == 200:
+                    on_commit(self.path, int(committed.group(1)))
                 self.send_response(response.status, response.reason)
                 for name, value in response.getheaders():
                     if name.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -641,8 +641,8 @@ class Soak:
 
         manifests: dict[tuple[str, str], Any] = {}  # (checkpoint key, its manifest's ETag) -> that manifest
 
-        def checkpoint_keys() -> list[str]:
-            """The committed checkpoints' keys, each checked against its manifest in this poll's one listing."""
+        def check_checkpoints() -> None:
+            """Check each committed checkpoint against its manifest in this poll's one listing."""
             listing, base = {}, f"{prefix}/checkpoints/{target.asset}/"
             for page in self.direct.get_paginator("list_objects_v2").paginate(Bucket="soak", Prefix=base):
                 for obj in page.get("Contents", []):
@@ -654,11 +654,14 @@ class Soak:
             for key in keys:
                 if problems := commit_problems(reader, manifests, key, listing[key]):
                     torn.append(f"{key}: {problems}")
-            return keys
 
-        def fire_due(step: int) -> None:
-            """Fire the pending faults that the commit of checkpoint ``step`` reaches (the S3 proxy's
-            ``on_commit``: the trainer waits for the commit's answer meanwhile)."""
+        def fire_due(path: str, step: int) -> None:
+            """Fire the pending faults that this run's commit of checkpoint ``step`` reaches.
+
+            The S3 proxy's ``on_commit``: the trainer waits for the commit's answer meanwhile. A commit of
+            another prefix (a straggler of an earlier run) fires nothing."""
+            if f"/{prefix}/checkpoints/{target.asset}/" not in path:
+                return
             try:
                 with lock:
                     while pending and step >= pending[0].after_step:
@@ -667,6 +670,7 @@ class Soak:
                 torn.append(f"the soak's fault schedule failed: {error!r}")
 
         def fire(fault: Fault, step: int) -> None:
+            """Inject ``fault`` now, at the commit of checkpoint ``step``; a note says why it could not."""
             fault.fired_at, fault.fired_time = step, time.time()
             fault.victims = tuple(sorted(processes(target.module, str(home))["worker"]))
             if fault.kind.startswith("s3"):
@@ -697,7 +701,8 @@ class Soak:
                 else:
                     fault.note = "no process left to kill"
 
-        def schedule():  # the reader, and the full disk kept full
+        def poll():
+            """Check the store as a reader would, and keep a full disk full, until the run ends."""
             from vlm_assets.launch.local import alive
 
             polls = 0
@@ -705,7 +710,8 @@ class Soak:
                 polls += 1
                 with lock:
                     if ballast and not any(alive(pid) for pid in ballast[0][1].victims):
-                        ballast.pop()[0].unlink()  # the attempt that met the full disk has ended: space is back
+                        # the attempt that met the full disk has ended: space is back
+                        ballast.pop(0)[0].unlink(missing_ok=True)
                     elif ballast:
                         fill(scratch)  # still full: space freed since (an uploaded checkpoint's staging) is taken
                 # The assets' keys are committed once a run and checked once: every fifth poll looks for new ones
@@ -715,12 +721,12 @@ class Soak:
                         if key not in checked and (problems := torn_problems(reader, key)):
                             torn.append(f"{key}: {problems}")
                         checked.add(key)
-                checkpoint_keys()
+                check_checkpoints()
                 stop.wait(0.2)
 
         def watch():
             try:
-                schedule()
+                poll()
             except Exception as error:  # a broken soak must not pass for a platform that never recovers
                 torn.append(f"the soak's watcher failed: {error!r}")
                 (scratch / ".ballast").unlink(missing_ok=True)
@@ -773,7 +779,9 @@ class Soak:
         finally:
             stop.set()
             watcher.join()
-            s3_proxy.on_commit = None
+            with lock:  # a hook firing now ends first; none fires after
+                pending.clear()
+                s3_proxy.on_commit = None
             s3_proxy.arm(None, 0)
             mlflow_proxy.down_for(0)
             (scratch / ".ballast").unlink(missing_ok=True)

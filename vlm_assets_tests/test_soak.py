@@ -251,9 +251,13 @@ def test_a_fault_that_never_fired_or_a_soak_cut_short_is_a_failure():
 
 
 def test_the_s3_proxy_fires_a_fault_between_a_commits_write_and_its_answer(tmp_path, s3_bucket, monkeypatch):
-    """The soak's S3 proxy in front of a real S3 server: ``on_commit`` runs once a checkpoint's manifest is
-    stored and before its committer hears back; 5 failed writes then cost exactly one commit (boto3 tries
-    each request 3 times), and the next commit's first request lands on its third try."""
+    """The soak's S3 proxy runs ``on_commit`` between a checkpoint commit's write and its answer.
+
+    In front of a real S3 server: the hook sees the manifest stored while the committer is still waiting;
+    5 failed writes then cost exactly one commit (boto3's standard retry mode tries a request 3 times) and
+    the next commit's first request lands on its third try; a commit that is no checkpoint fires nothing."""
+    import threading
+
     import boto3
     from boto3.exceptions import S3UploadFailedError
 
@@ -265,31 +269,35 @@ def test_the_s3_proxy_fires_a_fault_between_a_commits_write_and_its_answer(tmp_p
     client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{proxy.port}", region_name="us-east-1")
     store = S3ArtifactStore(client, bucket, prefix="soak", cache_dir=tmp_path / "cache")
     monkeypatch.setenv("VLM_ASSETS_HOME", str(tmp_path / "home"))  # the store stages below it
-    returned, fired = [], []
+    fired, answered = [], threading.Event()
 
-    def on_commit(step: int) -> None:
+    def on_commit(path: str, step: int) -> None:
         stored = direct.head_object(Bucket=bucket, Key=f"soak/checkpoints/a/h/step-{step:08d}/_COMPLETE.json")
-        fired.append((step, stored["ContentLength"] > 0, list(returned)))
+        # the committer has not returned: it is waiting for this answer
+        fired.append((path.split("/", 2)[2], step, stored["ContentLength"] > 0, answered.wait(0.5)))
         if step == 6:
             proxy.arm("s3-500", 5)
 
-    def commit(step: int) -> None:
-        key = f"checkpoints/a/h/step-{step:08d}"
+    def commit(key: str) -> None:
+        answered.clear()
         with store.staging_dir(key) as staging:
             (staging / "weights.bin").write_bytes(b"x" * 1000)
             store.commit(key, staging, {})
-        returned.append(step)
+        answered.set()
 
     proxy.on_commit = on_commit
     try:
-        commit(6)
+        commit("checkpoints/a/h/step-00000006")
         with pytest.raises(S3UploadFailedError, match="InternalError"):
-            commit(12)
-        commit(12)
-        with store.staging_dir("tokens/h") as staging:  # not a checkpoint: no fault fires
-            (staging / "tokens.json").write_text("{}")
-            store.commit("tokens/h", staging, {})
+            commit("checkpoints/a/h/step-00000012")
+        assert (proxy.injected, proxy.left) == (3, 2)  # one request's 3 tries
+        commit("checkpoints/a/h/step-00000012")
+        commit("tokens/h")  # not a checkpoint: no hook
     finally:
         proxy.server.shutdown()
-    assert fired == [(6, True, []), (12, True, [6])]
-    assert returned == [6, 12] and proxy.injected == 5 and proxy.left == 0
+        proxy.server.server_close()
+    assert fired == [
+        ("soak/checkpoints/a/h/step-00000006/_COMPLETE.json", 6, True, False),
+        ("soak/checkpoints/a/h/step-00000012/_COMPLETE.json", 12, True, False),
+    ]
+    assert (proxy.injected, proxy.left) == (5, 0)
