@@ -9,6 +9,8 @@ through this module.
 import os
 import sys
 import types
+from concurrent.futures import Future
+from pathlib import Path
 
 if "streaming.vision" not in sys.modules:
     sys.modules["streaming.vision"] = types.ModuleType("streaming.vision")
@@ -28,6 +30,40 @@ __all__ = [
 ]
 
 from vlm_assets.launch.spec import SHARED_HOST_ENV  # noqa: E402
+from vlm_assets.storage.disk import space_checked  # noqa: E402
+
+
+class _Dataset(StreamingDataset):
+    """``StreamingDataset`` whose shard-download threads' errors end the iteration with that error.
+
+    Streaming downloads ahead in a thread pool and re-raises a thread's error in the future's done
+    callback, where ``concurrent.futures`` only logs it; the iteration then stops as though the rank's
+    partition were exhausted, and a rank that stops early leaves its peers waiting for it forever. Its
+    callback is the only hook into those threads, so it is overridden: the error is kept and raised where
+    the samples are taken (a full disk as ``DiskFullError``, naming the shard cache).
+    """
+
+    def on_exception(self, future: Future) -> None:
+        error = future.exception()
+        if error is not None:
+            self._thread_error = error
+            self._event.set()  # as streaming does: its other threads stop
+
+    def _raise_thread_error(self) -> None:
+        error = getattr(self, "_thread_error", None)
+        if error is None:
+            return
+        cache = Path(os.path.commonpath([stream.local for stream in self.streams]))
+        with space_checked(cache, "token shards"):
+            raise error  # with the thread's traceback
+
+    def get_item(self, sample_id: int, retry: int = 7):
+        self._raise_thread_error()
+        return super().get_item(sample_id, retry)
+
+    def __iter__(self):
+        yield from super().__iter__()
+        self._raise_thread_error()
 
 
 def streaming_dataset(**kwargs) -> StreamingDataset:
@@ -40,12 +76,12 @@ def streaming_dataset(**kwargs) -> StreamingDataset:
     one host with ``WORLD_SIZE`` ranks. Samples are still partitioned over all ranks.
     """
     if os.environ.get(SHARED_HOST_ENV) != "1":
-        return StreamingDataset(**kwargs)
+        return _Dataset(**kwargs)
     saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     os.environ["LOCAL_RANK"] = os.environ.get("RANK", "0")
     os.environ["LOCAL_WORLD_SIZE"] = os.environ.get("WORLD_SIZE", "1")
     try:
-        return StreamingDataset(**kwargs)
+        return _Dataset(**kwargs)
     finally:
         for key, value in saved.items():
             if value is None:

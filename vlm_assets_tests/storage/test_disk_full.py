@@ -99,3 +99,55 @@ def test_an_error_that_is_not_about_space_passes_through(tmp_path):
         raise RuntimeError("not a disk problem")
     with pytest.raises(PermissionError), space_checked(tmp_path, "checkpoint step 1"):
         raise PermissionError(13, "Permission denied")
+
+
+SHARD_PROBE = textwrap.dedent(
+    """
+    import json, sys, traceback
+    from vlm_assets.data.token_stream import build_token_dataloaders
+    from vlm_assets.storage.disk import DiskFullError
+
+    artifact, cache = sys.argv[1], sys.argv[2]
+    loaders = build_token_dataloaders(artifact, cache, batch_size=8)
+    out = {"samples": 0}
+    try:
+        for batch in loaders.train:
+            out["samples"] += len(batch["input_ids"])
+    except DiskFullError as err:
+        out["error"] = str(err)
+        out["tail"] = traceback.format_exc().splitlines()
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow  # fills a small file system of its own
+def test_a_full_disk_during_a_shard_download_fails_the_epoch_as_disk_full(offline_data, tmp_path):
+    """Streaming downloads shards in background threads: their error must end the iteration, not end the
+    epoch early as though the partition were exhausted (a rank that stops early leaves its peers waiting)."""
+    from vlm_assets.data.token_shards import load_gpt2_tokenizer, paragraphs_of_files, write_token_shards
+
+    tokenizer = load_gpt2_tokenizer(str(offline_data / "gpt2-tokenizer"))
+    docs = list(paragraphs_of_files(str(offline_data / "shakespeare" / "*.txt")))[:3000]
+    summary = write_token_shards(
+        tmp_path / "art", tokenizer, "gpt2", docs, docs[:50], max_length=64,
+        max_train_samples=None, max_val_samples=50, size_limit=1 << 16,
+    )  # fmt: skip
+    train = summary["splits"]["train"]
+    assert train["num_shards"] >= 8  # ~64 KiB each, several times what the 256 KiB cache can hold
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    script = f'mount -t tmpfs -o size=256k vlm-full "{cache}" && exec "{sys.executable}" -c "$0" "$@"'
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, SHARD_PROBE, tmp_path / "art", cache],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "error" in out, f"the epoch ended after {out['samples']} of {train['num_samples']} samples, no error"
+    assert out["samples"] < train["num_samples"]
+    assert out["error"].startswith(f"[Errno 28] no space left on device writing token shards to {cache}"), out
+    rule = rule_for(cause=None, exit_code=1, worker_exit_code=1, tail=out["tail"])
+    assert (rule.cause, rule.retry) == ("disk_full", True)
