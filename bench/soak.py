@@ -5,7 +5,7 @@
     python bench/soak.py --runs 4 --seed 2 --demo          # the demo profile's GPT (40 steps, 256 tokens)
     python bench/soak.py --runs 6 --seed 3 --assets gpt_checkpoint visualchat_model   # in turn
     python bench/soak.py --runs 6 --seed 4 --launcher k8s  # pods on the loopback Kubernetes testbed
-    python bench/soak.py --runs 2 --seed 147278 --assets gpt_checkpoint visualchat_model --ci   # CI's
+    python bench/soak.py --runs 2 --seed 2112454 --assets gpt_checkpoint visualchat_model --ci   # CI's
 
 One uninterrupted reference run of each asset, then ``--runs`` materializations of the same configs
 (the assets in turn; ``--ci``: each asset's runs in turn in a thread of their own, beside the other
@@ -17,12 +17,14 @@ process (the run worker), its steps in processes it spawns (the multiprocess exe
 ``gpt_checkpoint`` (with its ``token_shards``) on 2 nodes of 1 process, DDP (24 steps, a checkpoint every
 6); ``visualchat_model`` (with its ``occlusion_manifests``: 80 Fashion-MNIST images) with a tiny CLIP and
 a tiny GPT-2 on 1 node of 2 processes, ZeRO-2 (24 steps, a checkpoint every 4; ``--demo``: 48 every 8).
-Each run gets 1 or 2 faults from a schedule drawn from ``--seed``, each fired once a checkpoint at or
-past a drawn step is committed: a SIGKILL of a training worker, of a torchrun agent, of the step process
-or of the run worker; a pod deleted or evicted (``--launcher k8s``); the S3 server answering 500 or
-dropping the connection for the next 1-8 writes (a checkpoint's or the final commit's; boto3 retries 4
-times on its own, so a longer outage reaches the retry rule); the run's scratch disk kept full until the
-attempt that meets it has ended (its next checkpoint write fails: the retry rule's ``disk_full``); or the
+Each run gets 1 or 2 faults from a schedule drawn from ``--seed``, each fired by the S3 fault proxy
+when it answers the commit of a checkpoint at or past a drawn step (the commit stored, the trainer not
+yet told: each fault fires at the same point of the training in every run): a SIGKILL of a training
+worker, of a torchrun agent, of the step process or of the run worker; a pod deleted or evicted
+(``--launcher k8s``); the S3 server answering 500 or dropping the connection for the next 1-8 writes (a
+checkpoint's or the final commit's; boto3 tries each request 3 times, its standard retry mode, so a
+longer outage reaches the retry rule); the run's scratch disk kept full until the attempt that meets it
+has ended (its next checkpoint write fails: the retry rule's ``disk_full``); or the
 MLflow server (a real one, on loopback behind the same kind of proxy) refusing every request for 5-60 s.
 Each run's scratch (``runs/``, where checkpoints are staged) is a 256 MiB tmpfs: the soak runs itself in
 a private mount namespace (``unshare``), so nothing outside it sees the mounts. A reader polls the store
@@ -51,6 +53,7 @@ import http.server
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -58,6 +61,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +100,8 @@ def fill(directory: Path) -> Path:
     """A ballast file that takes every free byte of ``directory``'s file system (grown again by each
     call: the space a finished upload's staging frees is taken back, so the disk stays full)."""
     ballast = directory / ".ballast"
-    # Unbuffered: a buffered file keeps the bytes of a short write and fails again on close (ENOSPC
-    # out of the with statement), which had killed the fault schedule with the disk left full.
+    # Unbuffered: a buffered file keeps the bytes of a short write and raises ENOSPC again on close,
+    # outside the suppress below.
     with open(ballast, "ab", buffering=0) as f:
         chunk = b"\0" * (1 << 20)
         with contextlib.suppress(OSError):  # ENOSPC: full
@@ -115,11 +119,17 @@ def free_port() -> int:
 class FaultProxy:
     """An HTTP proxy in front of a server (S3's, MLflow's) that fails the next N writes (not lease
     records) on demand: a 500 with S3's InternalError body, or a connection closed without an answer;
-    or, while it is down (``down_for``), closes every connection unanswered, as a stopped server would."""
+    or, while it is down (``down_for``), closes every connection unanswered, as a stopped server would.
+    ``on_commit(path, step)``, when set, runs once a checkpoint's commit (the PUT of its manifest) is
+    stored and before it is answered."""
 
     def __init__(self, upstream_port: int):
+        from vlm_assets.storage.artifact_store import MANIFEST_NAME
+
         self.lock = threading.Lock()
         self.mode, self.left, self.injected, self.down_until = None, 0, 0, 0.0
+        self.on_commit: Callable[[str, int], None] | None = None
+        commit = re.compile(rf"/checkpoints/[^?]+/step-(\d+)/{re.escape(MANIFEST_NAME)}(?:\?|$)")
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -148,6 +158,10 @@ class FaultProxy:
                 upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
                 response = upstream.getresponse()
                 payload = response.read()
+                on_commit = proxy.on_commit
+                committed = commit.search(self.path) if self.command == "PUT" else None
+                if on_commit and committed and response.status == 200:
+                    on_commit(self.path, int(committed.group(1)))
                 self.send_response(response.status, response.reason)
                 for name, value in response.getheaders():
                     if name.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -208,12 +222,12 @@ TARGETS = {
 @dataclasses.dataclass
 class Fault:
     kind: str
-    after_step: int  # fired once a checkpoint at or past this step is committed
+    after_step: int  # fired when a checkpoint at or past this step is committed
     size: int = 0  # S3 faults: how many writes fail; mlflow-down: for how many seconds
     # the training workers alive when it fired: the launch it hit (disk-full: they must end before the
     # space comes back)
     victims: tuple[int, ...] = ()
-    fired_at: int | None = None  # the last committed checkpoint step when it fired
+    fired_at: int | None = None  # the step of the checkpoint whose commit fired it
     fired_time: float | None = None  # and when (wall clock)
     note: str = ""
 
@@ -248,8 +262,6 @@ def failure_causes(events: list, asset: str = "gpt_checkpoint") -> list[str]:
     final commit's upload, say), which no launcher read, is ``step:<its exception class>``. A failure of a
     step other than ``asset`` (its upstream) is ``<that step>/<cause>``.
     """
-    import re
-
     causes = []
     for step, error in failed_attempts(events):
         text = error.to_string() if error is not None else ""
@@ -619,17 +631,18 @@ class Soak:
         }
         (home / "attempt.json").write_text(json.dumps(spec))
         attempt: list[subprocess.Popen] = []  # the attempts (run workers): the last is live, for the kills
-        steps = []
         config = self.run_config(target)["ops"][target.asset]["config"]
         every, last = config["checkpoint"]["every"], config["optimizer"]["max_steps"]
         stop = threading.Event()
         torn: list[str] = []
         checked: set[str] = set()
+        pending, lock = list(faults), threading.Lock()
+        ballast: list[tuple[Path, Fault]] = []  # while the disk is kept full: the file and its fault
 
         manifests: dict[tuple[str, str], Any] = {}  # (checkpoint key, its manifest's ETag) -> that manifest
 
-        def checkpoint_keys() -> list[str]:
-            """The committed checkpoints' keys, each checked against its manifest in this poll's one listing."""
+        def check_checkpoints() -> None:
+            """Check each committed checkpoint against its manifest in this poll's one listing."""
             listing, base = {}, f"{prefix}/checkpoints/{target.asset}/"
             for page in self.direct.get_paginator("list_objects_v2").paginate(Bucket="soak", Prefix=base):
                 for obj in page.get("Contents", []):
@@ -641,19 +654,66 @@ class Soak:
             for key in keys:
                 if problems := commit_problems(reader, manifests, key, listing[key]):
                     torn.append(f"{key}: {problems}")
-            return keys
 
-        def schedule():  # the reader and the fault schedule
+        def fire_due(path: str, step: int) -> None:
+            """Fire the pending faults that this run's commit of checkpoint ``step`` reaches.
+
+            The S3 proxy's ``on_commit``: the trainer waits for the commit's answer meanwhile. A commit of
+            another prefix (a straggler of an earlier run) fires nothing."""
+            if f"/{prefix}/checkpoints/{target.asset}/" not in path:
+                return
+            try:
+                with lock:
+                    while pending and step >= pending[0].after_step:
+                        fire(pending.pop(0), step)
+            except Exception as error:  # a broken soak must not pass for a platform that never recovers
+                torn.append(f"the soak's fault schedule failed: {error!r}")
+
+        def fire(fault: Fault, step: int) -> None:
+            """Inject ``fault`` now, at the commit of checkpoint ``step``; a note says why it could not."""
+            fault.fired_at, fault.fired_time = step, time.time()
+            fault.victims = tuple(sorted(processes(target.module, str(home))["worker"]))
+            if fault.kind.startswith("s3"):
+                s3_proxy.arm(fault.kind, fault.size)
+            elif fault.kind == "mlflow-down":
+                mlflow_proxy.down_for(fault.size)
+            elif fault.kind == "run-worker":
+                if attempt and attempt[-1].poll() is None:
+                    attempt[-1].send_signal(signal.SIGKILL)
+                else:
+                    fault.note = "no attempt running"
+            elif fault.kind == "step":
+                if attempt and (spawned := step_processes(attempt[-1].pid)):
+                    os.kill(spawned[-1], signal.SIGKILL)
+                else:
+                    fault.note = "no step process running"
+            elif fault.kind in POD_KINDS:
+                self.hit_pod(fault)
+            elif fault.kind == "disk-full":
+                if fault.victims:
+                    ballast.append((fill(scratch), fault))
+                else:
+                    fault.note = "no attempt running"
+            else:
+                pids = processes(target.module, str(home))[fault.kind]
+                if pids:
+                    os.kill(random.Random(fault.after_step).choice(pids), signal.SIGKILL)
+                else:
+                    fault.note = "no process left to kill"
+
+        def poll():
+            """Check the store as a reader would, and keep a full disk full, until the run ends."""
             from vlm_assets.launch.local import alive
 
-            pending, ballast, polls = list(faults), None, 0
+            polls = 0
             while not stop.is_set():
                 polls += 1
-                if ballast and not any(alive(pid) for pid in ballast[1].victims):
-                    ballast[0].unlink()  # the attempt that met the full disk has ended: space is back
-                    ballast = None
-                elif ballast:
-                    fill(scratch)  # still full: space freed since (an uploaded checkpoint's staging) is taken
+                with lock:
+                    if ballast and not any(alive(pid) for pid in ballast[0][1].victims):
+                        # the attempt that met the full disk has ended: space is back
+                        ballast.pop(0)[0].unlink(missing_ok=True)
+                    elif ballast:
+                        fill(scratch)  # still full: space freed since (an uploaded checkpoint's staging) is taken
                 # The assets' keys are committed once a run and checked once: every fifth poll looks for new ones
                 # (a listing is a scan of the bucket for the S3 server); the checkpoints' listing is every poll's.
                 for prefix_ in (target.asset, target.upstream) if polls % 5 == 1 else ():
@@ -661,50 +721,19 @@ class Soak:
                         if key not in checked and (problems := torn_problems(reader, key)):
                             torn.append(f"{key}: {problems}")
                         checked.add(key)
-                keys = checkpoint_keys()
-                steps[:] = sorted(int(k.rsplit("-", 1)[1]) for k in keys)
-                if pending and steps and steps[-1] >= pending[0].after_step:
-                    fault = pending.pop(0)
-                    fault.fired_at, fault.fired_time = steps[-1], time.time()
-                    fault.victims = tuple(sorted(processes(target.module, str(home))["worker"]))
-                    if fault.kind.startswith("s3"):
-                        s3_proxy.arm(fault.kind, fault.size)
-                    elif fault.kind == "mlflow-down":
-                        mlflow_proxy.down_for(fault.size)
-                    elif fault.kind == "run-worker":
-                        if attempt and attempt[-1].poll() is None:
-                            attempt[-1].send_signal(signal.SIGKILL)
-                        else:
-                            fault.note = "no attempt running"
-                    elif fault.kind == "step":
-                        if attempt and (spawned := step_processes(attempt[-1].pid)):
-                            os.kill(spawned[-1], signal.SIGKILL)
-                        else:
-                            fault.note = "no step process running"
-                    elif fault.kind in POD_KINDS:
-                        self.hit_pod(fault)
-                    elif fault.kind == "disk-full":
-                        if fault.victims:
-                            ballast = (fill(scratch), fault)
-                        else:
-                            fault.note = "no attempt running"
-                    else:
-                        pids = processes(target.module, str(home))[fault.kind]
-                        if pids:
-                            os.kill(random.Random(fault.after_step).choice(pids), signal.SIGKILL)
-                        else:
-                            fault.note = "no process left to kill"
+                check_checkpoints()
                 stop.wait(0.2)
 
         def watch():
             try:
-                schedule()
+                poll()
             except Exception as error:  # a broken soak must not pass for a platform that never recovers
                 torn.append(f"the soak's watcher failed: {error!r}")
                 (scratch / ".ballast").unlink(missing_ok=True)
 
         watcher = threading.Thread(target=watch, daemon=True)
         started = time.monotonic()
+        s3_proxy.on_commit = fire_due
         watcher.start()
         try:
             # More faults than the RetryPolicy's 2 retries fail the run; the next run of the same key
@@ -750,6 +779,9 @@ class Soak:
         finally:
             stop.set()
             watcher.join()
+            with lock:  # a hook firing now ends first; none fires after
+                pending.clear()
+                s3_proxy.on_commit = None
             s3_proxy.arm(None, 0)
             mlflow_proxy.down_for(0)
             (scratch / ".ballast").unlink(missing_ok=True)

@@ -1,12 +1,12 @@
 """CI's short seeded soak (bench/soak.py --ci): one uninterrupted reference run of each of gpt_checkpoint
-and visualchat_model, then one faulted run of each from seed 147278's schedule; each asset's two runs in
-turn, beside the other asset's, each asset's behind S3 and MLflow fault proxies of its own.
+and visualchat_model, then one faulted run of each from seed 2112454's schedule; each asset's two runs in
+turn, beside the other asset's, each asset's behind S3 and MLflow fault proxies of its own. Each fault
+fires as the S3 proxy answers a checkpoint's commit, so every run of this test does the same work.
 
-gpt_checkpoint: the S3 server fails 8 checkpoint writes in a row after step 6 (past boto3's own retries:
-the retry rule's `unreachable`; how many attempts the outage spans depends on how the client's parallel
-part uploads meet it), then the run's scratch disk (a tmpfs) is kept full after step 18 until the attempt
-whose next checkpoint write fails has ended (`disk_full`). When that is more than the RetryPolicy's 2
-retries, the run fails and the soak's relaunch of the key must resume it.
+gpt_checkpoint: the S3 server fails the 5 writes after step 12's commit (the next checkpoint's first
+request, past boto3's 3 tries: the retry rule's `unreachable`; the retry's first request then succeeds on
+its third try), then the run's scratch disk (a tmpfs) is kept full after step 18 until the attempt whose
+next checkpoint write fails has ended (`disk_full`): the RetryPolicy's 2 retries, no relaunch.
 visualchat_model: the step process (a child of the run worker: Dagster's multiprocess executor) is
 SIGKILLed after step 8 (the run worker sees it crash; the RetryPolicy's retry takes over its lease and
 ends its MLflow run KILLED), then the run worker itself after step 16: nothing of that attempt can clean
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_a_short_seeded_soak_loses_nothing(tmp_path, offline_data):
-    command = [sys.executable, str(REPO / "bench" / "soak.py"), "--runs", "2", "--seed", "147278", "--ci"]
+    command = [sys.executable, str(REPO / "bench" / "soak.py"), "--runs", "2", "--seed", "2112454", "--ci"]
     command += ["--assets", "gpt_checkpoint", "visualchat_model", "--out", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "VLM_ASSETS_HOME"))}
     try:  # below pytest's own 1200 s limit, so that a soak past it still shows its output
@@ -48,15 +48,14 @@ def test_a_short_seeded_soak_loses_nothing(tmp_path, offline_data):
     for run in (gpt, chat):
         assert all(f["fired_at"] is not None and not f["note"] for f in run["faults"]), run
 
-    assert [(f["kind"], f["size"]) for f in gpt["faults"]] == [("s3-500", 8), ("disk-full", 0)]
-    assert gpt["retries"] >= 2 and gpt["relaunches"] in (0, 1), gpt
-    # each failed attempt read by the retry rule: the outage, then the full disk (last, or before a relaunch)
-    assert gpt["causes"][0] == "unreachable" and "disk_full" in gpt["causes"], gpt["causes"]
-    assert set(gpt["causes"]) == {"unreachable", "disk_full"}, gpt["causes"]
+    assert [(f["kind"], f["fired_at"], f["size"]) for f in gpt["faults"]] == [("s3-500", 12, 5), ("disk-full", 18, 0)]
+    assert gpt["retries"] == 2 and gpt["relaunches"] == 0, gpt
+    # each failed attempt read by the retry rule: the outage, then the full disk
+    assert gpt["causes"] == ["unreachable", "disk_full"], gpt["causes"]
     assert gpt["loss"] == pytest.approx(gpt_reference["loss"], abs=1e-5)
     assert gpt["resumed_from_step"] >= 18 and gpt["key"] == gpt_reference["key"]
 
-    assert [f["kind"] for f in chat["faults"]] == ["step", "run-worker"]
+    assert [(f["kind"], f["fired_at"]) for f in chat["faults"]] == [("step", 8), ("run-worker", 16)]
     # the crashed step process, as the run worker reports it; then the killed run worker, seen by the soak
     assert chat["causes"] == ["step:ChildProcessCrashException", "run-worker:killed"], chat["causes"]
     assert chat["retries"] == 2 and chat["relaunches"] == 1, chat
@@ -249,3 +248,56 @@ def test_a_fault_that_never_fired_or_a_soak_cut_short_is_a_failure():
     assert soak.exit_status([ok], unfinished=0) == 0
     assert soak.exit_status([ok, broken], unfinished=0) == 1
     assert soak.exit_status([ok], unfinished=2) == 2
+
+
+def test_the_s3_proxy_fires_a_fault_between_a_commits_write_and_its_answer(tmp_path, s3_bucket, monkeypatch):
+    """The soak's S3 proxy runs ``on_commit`` between a checkpoint commit's write and its answer.
+
+    In front of a real S3 server: the hook sees the manifest stored while the committer is still waiting;
+    5 failed writes then cost exactly one commit (boto3's standard retry mode tries a request 3 times) and
+    the next commit's first request lands on its third try; a commit that is no checkpoint fires nothing."""
+    import threading
+
+    import boto3
+    from boto3.exceptions import S3UploadFailedError
+
+    from vlm_assets.storage import S3ArtifactStore
+
+    soak = _soak_module()
+    direct, bucket = s3_bucket
+    proxy = soak.FaultProxy(int(direct.meta.endpoint_url.rsplit(":", 1)[1]))
+    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{proxy.port}", region_name="us-east-1")
+    store = S3ArtifactStore(client, bucket, prefix="soak", cache_dir=tmp_path / "cache")
+    monkeypatch.setenv("VLM_ASSETS_HOME", str(tmp_path / "home"))  # the store stages below it
+    fired, answered = [], threading.Event()
+
+    def on_commit(path: str, step: int) -> None:
+        stored = direct.head_object(Bucket=bucket, Key=f"soak/checkpoints/a/h/step-{step:08d}/_COMPLETE.json")
+        # the committer has not returned: it is waiting for this answer
+        fired.append((path.split("/", 2)[2], step, stored["ContentLength"] > 0, answered.wait(0.5)))
+        if step == 6:
+            proxy.arm("s3-500", 5)
+
+    def commit(key: str) -> None:
+        answered.clear()
+        with store.staging_dir(key) as staging:
+            (staging / "weights.bin").write_bytes(b"x" * 1000)
+            store.commit(key, staging, {})
+        answered.set()
+
+    proxy.on_commit = on_commit
+    try:
+        commit("checkpoints/a/h/step-00000006")
+        with pytest.raises(S3UploadFailedError, match="InternalError"):
+            commit("checkpoints/a/h/step-00000012")
+        assert (proxy.injected, proxy.left) == (3, 2)  # one request's 3 tries
+        commit("checkpoints/a/h/step-00000012")
+        commit("tokens/h")  # not a checkpoint: no hook
+    finally:
+        proxy.server.shutdown()
+        proxy.server.server_close()
+    assert fired == [
+        ("soak/checkpoints/a/h/step-00000006/_COMPLETE.json", 6, True, False),
+        ("soak/checkpoints/a/h/step-00000012/_COMPLETE.json", 12, True, False),
+    ]
+    assert (proxy.injected, proxy.left) == (5, 0)
