@@ -24,7 +24,7 @@ worker, of a torchrun agent, of the step process or of the run worker; a pod del
 (``--launcher k8s``); the S3 server answering 500 or dropping the connection for the next 1-8 writes (a
 checkpoint's or the final commit's; boto3 tries each request 3 times, its standard retry mode, so a
 longer outage reaches the retry rule); the run's scratch disk kept full until the attempt that meets it
-has ended (its next checkpoint write fails: the retry rule's ``disk_full``); or the
+has ended (its next checkpoint write or shard download fails: the retry rule's ``disk_full``); or the
 MLflow server (a real one, on loopback behind the same kind of proxy) refusing every request for 5-60 s.
 Each run's scratch (``runs/``, where checkpoints are staged) is a 256 MiB tmpfs: the soak runs itself in
 a private mount namespace (``unshare``), so nothing outside it sees the mounts. A reader polls the store

@@ -6,7 +6,8 @@ fires as the S3 proxy answers a checkpoint's commit, so every run of this test d
 gpt_checkpoint: the S3 server fails the 5 writes after step 12's commit (the next checkpoint's first
 request, past boto3's 3 tries: the retry rule's `unreachable`; the retry's first request then succeeds on
 its third try), then the run's scratch disk (a tmpfs) is kept full after step 18 until the attempt whose
-next checkpoint write fails has ended (`disk_full`): the RetryPolicy's 2 retries, no relaunch.
+next write fails has ended (`disk_full`: step 24's validation shard download, or its checkpoint): the
+RetryPolicy's 2 retries, no relaunch.
 visualchat_model: the step process (a child of the run worker: Dagster's multiprocess executor) is
 SIGKILLed after step 8 (the run worker sees it crash; the RetryPolicy's retry takes over its lease and
 ends its MLflow run KILLED), then the run worker itself after step 16: nothing of that attempt can clean
