@@ -710,8 +710,9 @@ class Soak:
                 polls += 1
                 with lock:
                     if ballast and not any(alive(pid) for pid in ballast[0][1].victims):
-                        # the attempt that met the full disk has ended: space is back
-                        ballast.pop(0)[0].unlink(missing_ok=True)
+                        ballast.pop(0)  # the attempt that met the full disk has ended
+                        if not ballast:  # a later disk-full fault's attempt keeps the shared file
+                            (scratch / ".ballast").unlink(missing_ok=True)
                     elif ballast:
                         fill(scratch)  # still full: space freed since (an uploaded checkpoint's staging) is taken
                 # The assets' keys are committed once a run and checked once: every fifth poll looks for new ones
@@ -729,7 +730,10 @@ class Soak:
                 poll()
             except Exception as error:  # a broken soak must not pass for a platform that never recovers
                 torn.append(f"the soak's watcher failed: {error!r}")
-                (scratch / ".ballast").unlink(missing_ok=True)
+                with lock:  # nobody polls now: no fault fires, and the disk is not left full
+                    pending.clear()
+                    ballast.clear()
+                    (scratch / ".ballast").unlink(missing_ok=True)
 
         watcher = threading.Thread(target=watch, daemon=True)
         started = time.monotonic()

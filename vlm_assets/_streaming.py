@@ -39,29 +39,36 @@ class _Dataset(StreamingDataset):
     Streaming downloads ahead in a thread pool and re-raises a thread's error in the future's done
     callback, where ``concurrent.futures`` only logs it; the iteration then stops as though the rank's
     partition were exhausted, and a rank that stops early leaves its peers waiting for it forever. Its
-    callback is the only hook into those threads, so it is overridden: the error is kept and raised where
-    the samples are taken (a full disk as ``DiskFullError``, naming the shard cache).
+    callback is the only hook into those threads, so it is overridden: the first error is kept and raised
+    (a full disk as ``DiskFullError``, naming the shard cache) at the next sample, or at the next epoch's
+    start when the consumer had stopped reading early (a validation's ``limit_val_batches``): there,
+    before streaming's own start, which waits forever for the failed thread to report that it exited.
     """
 
     def on_exception(self, future: Future) -> None:
-        error = future.exception()
-        if error is not None:
+        error = None if future.cancelled() else future.exception()
+        if error is None:
+            return
+        if getattr(self, "_thread_error", None) is None:  # a second thread's error is a consequence
             self._thread_error = error
-            self._event.set()  # as streaming does: its other threads stop
+        self._event.set()  # as streaming does: its other threads stop
 
     def _raise_thread_error(self) -> None:
         error = getattr(self, "_thread_error", None)
         if error is None:
             return
-        cache = Path(os.path.commonpath([stream.local for stream in self.streams]))
-        with space_checked(cache, "token shards"):
+        with space_checked(Path(self.streams[0].local), "token shards"):
             raise error  # with the thread's traceback
 
     def get_item(self, sample_id: int, retry: int = 7):
-        self._raise_thread_error()
-        return super().get_item(sample_id, retry)
+        try:
+            return super().get_item(sample_id, retry)
+        except RuntimeError:  # streaming's "Background thread failed" says nothing of what failed
+            self._raise_thread_error()
+            raise
 
     def __iter__(self):
+        self._raise_thread_error()
         yield from super().__iter__()
         self._raise_thread_error()
 

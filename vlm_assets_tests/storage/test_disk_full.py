@@ -1,15 +1,20 @@
-"""A full disk during a checkpoint write, on a real 1 MiB tmpfs (mounted in a private mount namespace by
-`unshare`, so nothing outside the test sees it): the error names what was written, where, and the file
-system; nothing partial is left behind; the retry rule reads it as `disk_full` from the traceback."""
+"""A full disk during a checkpoint write or a shard download, on a real small tmpfs (mounted in a private
+mount namespace by `unshare`, so nothing outside the test sees it): the error names what was written,
+where, and the file system; nothing partial is left behind; the retry rule reads it as `disk_full` from
+the traceback."""
 
 import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from vlm_assets.launch.retry import rule_for
+from vlm_assets_tests.waiting import BOUND_S
+
+REPO = Path(__file__).resolve().parents[2]
 
 PROBE = textwrap.dedent(
     """
@@ -104,27 +109,47 @@ def test_an_error_that_is_not_about_space_passes_through(tmp_path):
 SHARD_PROBE = textwrap.dedent(
     """
     import json, sys, traceback
+    from vlm_assets._streaming import streaming_dataset
     from vlm_assets.data.token_stream import build_token_dataloaders
     from vlm_assets.storage.disk import DiskFullError
+    from vlm_assets_tests.waiting import wait_until
 
-    artifact, cache = sys.argv[1], sys.argv[2]
-    loaders = build_token_dataloaders(artifact, cache, batch_size=8)
-    out = {"samples": 0}
+    artifact, read_on, stopped_early = sys.argv[1:4]
+    out = {}
+
+    def epoch(samples, case):
+        try:
+            for _ in samples:
+                out[case] = out.get(case, 0) + 1
+        except DiskFullError as err:
+            out[f"{case}_error"] = str(err)
+            out[f"{case}_tail"] = traceback.format_exc().splitlines()
+
+    # 1. read on while the download threads fill the disk
+    epoch(build_token_dataloaders(artifact, read_on, batch_size=1).train, "read_on")
+
+    # 2. one sample taken and the epoch left (a validation's limit_val_batches) while the download
+    # threads, unbounded here, fill the disk (it may fill before the first sample): the next epoch must
+    # start with the error, not wait for the failed thread to exit (streaming's own start hangs there)
+    shards = streaming_dataset(
+        remote=f"{artifact}/train", local=f"{stopped_early}/train", batch_size=1, predownload=1 << 20
+    )
     try:
-        for batch in loaders.train:
-            out["samples"] += len(batch["input_ids"])
-    except DiskFullError as err:
-        out["error"] = str(err)
-        out["tail"] = traceback.format_exc().splitlines()
+        next(iter(shards))
+    except DiskFullError:
+        pass
+    wait_until(lambda: getattr(shards, "_thread_error", None), "the download threads to fail")
+    epoch(shards, "next_epoch")
     print(json.dumps(out))
     """
 )
 
 
-@pytest.mark.slow  # fills a small file system of its own
+@pytest.mark.slow  # fills small file systems of its own
 def test_a_full_disk_during_a_shard_download_fails_the_epoch_as_disk_full(offline_data, tmp_path):
     """Streaming downloads shards in background threads: their error must end the iteration, not end the
-    epoch early as though the partition were exhausted (a rank that stops early leaves its peers waiting)."""
+    epoch early as though the partition were exhausted (a rank that stops early leaves its peers waiting),
+    nor hang the next epoch's start."""
     from vlm_assets.data.token_shards import load_gpt2_tokenizer, paragraphs_of_files, write_token_shards
 
     tokenizer = load_gpt2_tokenizer(str(offline_data / "gpt2-tokenizer"))
@@ -134,20 +159,26 @@ def test_a_full_disk_during_a_shard_download_fails_the_epoch_as_disk_full(offlin
         max_train_samples=None, max_val_samples=50, size_limit=1 << 16,
     )  # fmt: skip
     train = summary["splits"]["train"]
-    assert train["num_shards"] >= 8  # ~64 KiB each, several times what the 256 KiB cache can hold
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    script = f'mount -t tmpfs -o size=256k vlm-full "{cache}" && exec "{sys.executable}" -c "$0" "$@"'
+    assert train["num_shards"] >= 8  # ~64 KiB each, several times what a 256 KiB cache can hold
+    caches = [tmp_path / "read-on", tmp_path / "stopped-early"]
+    mounts = ""
+    for cache in caches:
+        cache.mkdir()
+        mounts += f'mount -t tmpfs -o size=256k vlm-full "{cache}" && '
+    script = f'{mounts}exec "{sys.executable}" -c "$0" "$@"'
     proc = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, SHARD_PROBE, tmp_path / "art", cache],
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, SHARD_PROBE, tmp_path / "art", *caches],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=BOUND_S,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert "error" in out, f"the epoch ended after {out['samples']} of {train['num_samples']} samples, no error"
-    assert out["samples"] < train["num_samples"]
-    assert out["error"].startswith(f"[Errno 28] no space left on device writing token shards to {cache}"), out
-    rule = rule_for(cause=None, exit_code=1, worker_exit_code=1, tail=out["tail"])
-    assert (rule.cause, rule.retry) == ("disk_full", True)
+    for case, cache in zip(("read_on", "next_epoch"), caches, strict=True):
+        assert f"{case}_error" in out, f"{case}: the epoch ended after {out.get(case)} samples, no error"
+        assert out.get(case, 0) < train["num_samples"]
+        error = out[f"{case}_error"]
+        assert error.startswith(f"[Errno 28] no space left on device writing token shards to {cache}/train"), error
+        rule = rule_for(cause=None, exit_code=1, worker_exit_code=1, tail=out[f"{case}_tail"])
+        assert (rule.cause, rule.retry) == ("disk_full", True)
