@@ -34,31 +34,50 @@ from vlm_assets.storage.disk import space_checked  # noqa: E402
 
 
 class _Dataset(StreamingDataset):
-    """``StreamingDataset`` whose shard-download threads' errors end the iteration with that error.
+    """``StreamingDataset`` whose shard downloads' errors end the iteration with that error.
 
-    Streaming downloads ahead in a thread pool and re-raises a thread's error in the future's done
-    callback, where ``concurrent.futures`` only logs it; the iteration then stops as though the rank's
-    partition were exhausted, and a rank that stops early leaves its peers waiting for it forever. Its
-    callback is the only hook into those threads, so it is overridden: the first error is kept and raised
-    (a full disk as ``DiskFullError``, naming the shard cache) at the next sample, or at the next epoch's
-    start when the consumer had stopped reading early (a validation's ``limit_val_batches``): there,
-    before streaming's own start, which waits forever for the failed thread to report that it exited.
+    Streaming downloads ahead in two threads per epoch and re-raises a thread's error in the future's
+    done callback, where ``concurrent.futures`` only logs it; its sample loop then stops as though the
+    rank's partition were exhausted, and a thread that failed never reports its exit, which the epoch's
+    end and the next epoch's start wait for, forever. Streaming has no hook into its threads but that
+    callback, so their bodies, the sample loop and the shard download are wrapped here: a failed thread
+    keeps its error and reports its exit, and the first error is raised (a full disk as
+    ``DiskFullError``, naming the shard cache, also when the reading thread downloads the shard itself)
+    where the sample loop stops, at the next sample, or at the next epoch's start when the consumer had
+    stopped reading early (a validation's ``limit_val_batches``).
     """
 
-    def on_exception(self, future: Future) -> None:
-        error = None if future.cancelled() else future.exception()
-        if error is None:
-            return
+    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        with space_checked(Path(self.streams[self.stream_per_shard[shard_id]].local), "token shards"):
+            super().prepare_shard(shard_id, blocking)
+
+    def _keep(self, error: BaseException) -> None:
         if getattr(self, "_thread_error", None) is None:  # a second thread's error is a consequence
-            self._thread_error = error
+            self._thread_error = (error, error.__traceback__)
         self._event.set()  # as streaming does: its other threads stop
 
+    def _prepare_thread(self, it) -> None:
+        self._run_thread(super()._prepare_thread, it)
+
+    def _ready_thread(self, it) -> None:
+        self._run_thread(super()._ready_thread, it)
+
+    def _run_thread(self, body, it) -> None:
+        try:
+            body(it)
+        except BaseException as error:
+            self._keep(error)
+            it.on_exit()
+            raise
+
+    def on_exception(self, future: Future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self._keep(future.exception())  # kept already by the thread; not re-raised into the logs
+
     def _raise_thread_error(self) -> None:
-        error = getattr(self, "_thread_error", None)
-        if error is None:
-            return
-        with space_checked(Path(self.streams[0].local), "token shards"):
-            raise error  # with the thread's traceback
+        if getattr(self, "_thread_error", None) is not None:
+            error, tb = self._thread_error
+            raise error.with_traceback(tb)  # the thread's frames, not those of each earlier raise
 
     def get_item(self, sample_id: int, retry: int = 7):
         try:
@@ -67,7 +86,13 @@ class _Dataset(StreamingDataset):
             self._raise_thread_error()
             raise
 
+    def _each_sample_id(self, it):
+        yield from super()._each_sample_id(it)
+        self._raise_thread_error()  # before the epoch's end waits for the threads
+
     def __iter__(self):
+        if hasattr(self, "_iterator"):  # streaming's start waits for them too, then raises a bare error
+            self._iterator.exit()  # the last epoch's threads, failed ones included, report their exit
         self._raise_thread_error()
         yield from super().__iter__()
         self._raise_thread_error()

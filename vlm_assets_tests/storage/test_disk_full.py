@@ -16,6 +16,26 @@ from vlm_assets_tests.waiting import BOUND_S
 
 REPO = Path(__file__).resolve().parents[2]
 
+
+def on_small_disks(probe: str, size: str, disks: list[Path], *args, timeout: float = BOUND_S) -> dict:
+    """Run the Python ``probe`` with a tmpfs of ``size`` mounted on each of ``disks`` (created here) in a
+    private mount namespace, its arguments the disks then ``args``; return the JSON its last line prints."""
+    mounts = ""
+    for disk in disks:
+        disk.mkdir()
+        mounts += f'mount -t tmpfs -o size={size} vlm-full "{disk}" && '
+    script = f'{mounts}exec "{sys.executable}" -c "$0" "$@"'
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, probe, *disks, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 PROBE = textwrap.dedent(
     """
     import json, sys, traceback
@@ -69,17 +89,8 @@ PROBE = textwrap.dedent(
 @pytest.mark.slow  # fills a small file system of its own
 def test_a_full_disk_names_the_write_and_the_disk_and_leaves_nothing_partial(tmp_path):
     small, big = tmp_path / "small", tmp_path / "big"
-    small.mkdir()
     big.mkdir()
-    script = f'mount -t tmpfs -o size=1m vlm-full "{small}" && exec "{sys.executable}" -c "$0" "{small}" "{big}"'
-    proc = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, PROBE],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = on_small_disks(PROBE, "1m", [small], big, timeout=300)
 
     mount = f"on the file system mounted at {small} "
     assert out["lightning"].startswith(f"[Errno 28] no space left on device writing checkpoint step 20 to {small}")
@@ -108,13 +119,14 @@ def test_an_error_that_is_not_about_space_passes_through(tmp_path):
 
 SHARD_PROBE = textwrap.dedent(
     """
-    import json, sys, traceback
+    import faulthandler, json, sys, traceback
     from vlm_assets._streaming import streaming_dataset
     from vlm_assets.data.token_stream import build_token_dataloaders
     from vlm_assets.storage.disk import DiskFullError
-    from vlm_assets_tests.waiting import wait_until
+    from vlm_assets_tests.waiting import BOUND_S, wait_until
 
-    artifact, read_on, stopped_early = sys.argv[1:4]
+    faulthandler.dump_traceback_later(BOUND_S / 2, exit=True)  # a hang shows where, before the test's bound
+    read_on, stopped_early, random_access, two_workers, artifact = sys.argv[1:6]
     out = {}
 
     def epoch(samples, case):
@@ -125,12 +137,13 @@ SHARD_PROBE = textwrap.dedent(
             out[f"{case}_error"] = str(err)
             out[f"{case}_tail"] = traceback.format_exc().splitlines()
 
-    # 1. read on while the download threads fill the disk
+    # 1. read on while the download threads fill the disk: the epoch must not end as though the
+    # partition were exhausted (a rank that stops early leaves its peers waiting), nor hang at its end
     epoch(build_token_dataloaders(artifact, read_on, batch_size=1).train, "read_on")
 
     # 2. one sample taken and the epoch left (a validation's limit_val_batches) while the download
     # threads, unbounded here, fill the disk (it may fill before the first sample): the next epoch must
-    # start with the error, not wait for the failed thread to exit (streaming's own start hangs there)
+    # start with the error, not wait forever for the failed thread to report its exit
     shards = streaming_dataset(
         remote=f"{artifact}/train", local=f"{stopped_early}/train", batch_size=1, predownload=1 << 20
     )
@@ -140,6 +153,13 @@ SHARD_PROBE = textwrap.dedent(
         pass
     wait_until(lambda: getattr(shards, "_thread_error", None), "the download threads to fail")
     epoch(shards, "next_epoch")
+
+    # 3. random access: the reading thread downloads each shard itself
+    shards = streaming_dataset(remote=f"{artifact}/train", local=f"{random_access}/train", batch_size=1)
+    epoch((shards[i] for i in range(0, shards.num_samples, 37)), "random_access")
+
+    # 4. two DataLoader workers sharing the cache: the loader raises a worker's error
+    epoch(build_token_dataloaders(artifact, two_workers, batch_size=1, num_workers=2).train, "two_workers")
     print(json.dumps(out))
     """
 )
@@ -147,9 +167,9 @@ SHARD_PROBE = textwrap.dedent(
 
 @pytest.mark.slow  # fills small file systems of its own
 def test_a_full_disk_during_a_shard_download_fails_the_epoch_as_disk_full(offline_data, tmp_path):
-    """Streaming downloads shards in background threads: their error must end the iteration, not end the
-    epoch early as though the partition were exhausted (a rank that stops early leaves its peers waiting),
-    nor hang the next epoch's start."""
+    """Streaming downloads shards in background threads: their error must end the iteration as
+    ``DiskFullError``, not end the epoch early as though the partition were exhausted, nor hang the
+    epoch's end or the next epoch's start; a shard the reading thread downloads itself names it alike."""
     from vlm_assets.data.token_shards import load_gpt2_tokenizer, paragraphs_of_files, write_token_shards
 
     tokenizer = load_gpt2_tokenizer(str(offline_data / "gpt2-tokenizer"))
@@ -160,25 +180,13 @@ def test_a_full_disk_during_a_shard_download_fails_the_epoch_as_disk_full(offlin
     )  # fmt: skip
     train = summary["splits"]["train"]
     assert train["num_shards"] >= 8  # ~64 KiB each, several times what a 256 KiB cache can hold
-    caches = [tmp_path / "read-on", tmp_path / "stopped-early"]
-    mounts = ""
-    for cache in caches:
-        cache.mkdir()
-        mounts += f'mount -t tmpfs -o size=256k vlm-full "{cache}" && '
-    script = f'{mounts}exec "{sys.executable}" -c "$0" "$@"'
-    proc = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, SHARD_PROBE, tmp_path / "art", *caches],
-        capture_output=True,
-        text=True,
-        timeout=BOUND_S,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for case, cache in zip(("read_on", "next_epoch"), caches, strict=True):
+    cases = ("read_on", "next_epoch", "random_access", "two_workers")
+    caches = [tmp_path / case.replace("_", "-") for case in cases]
+    out = on_small_disks(SHARD_PROBE, "256k", caches, tmp_path / "art")
+    for case, cache in zip(cases, caches, strict=True):
         assert f"{case}_error" in out, f"{case}: the epoch ended after {out.get(case)} samples, no error"
         assert out.get(case, 0) < train["num_samples"]
-        error = out[f"{case}_error"]
-        assert error.startswith(f"[Errno 28] no space left on device writing token shards to {cache}/train"), error
+        error = out[f"{case}_error"]  # a worker's error comes to the loader as its message, without errno
+        assert f"no space left on device writing token shards to {cache}/train" in error, error
         rule = rule_for(cause=None, exit_code=1, worker_exit_code=1, tail=out[f"{case}_tail"])
         assert (rule.cause, rule.retry) == ("disk_full", True)
