@@ -96,10 +96,14 @@ def in_private_mounts(argv: list[str]) -> int | None:
     return subprocess.call([*UNSHARE, sys.executable, __file__, *argv], env={**os.environ, IN_NAMESPACE: "1"})
 
 
+BALLAST = ".ballast"
+
+
 def fill(directory: Path) -> Path:
-    """A ballast file that takes every free byte of ``directory``'s file system (grown again by each
-    call: the space a finished upload's staging frees is taken back, so the disk stays full)."""
-    ballast = directory / ".ballast"
+    """Grow ``directory / BALLAST`` until it takes every free byte of that file system; return its path.
+
+    Each call takes back the space a finished upload's staging freed, so the disk stays full."""
+    ballast = directory / BALLAST
     # Unbuffered: a buffered file keeps the bytes of a short write and raises ENOSPC again on close,
     # outside the suppress below.
     with open(ballast, "ab", buffering=0) as f:
@@ -637,7 +641,7 @@ class Soak:
         torn: list[str] = []
         checked: set[str] = set()
         pending, lock = list(faults), threading.Lock()
-        ballast: list[tuple[Path, Fault]] = []  # while the disk is kept full: the file and its fault
+        full_disk: list[Fault] = []  # the disk-full faults whose attempts keep the one ballast file
 
         manifests: dict[tuple[str, str], Any] = {}  # (checkpoint key, its manifest's ETag) -> that manifest
 
@@ -691,7 +695,8 @@ class Soak:
                 self.hit_pod(fault)
             elif fault.kind == "disk-full":
                 if fault.victims:
-                    ballast.append((fill(scratch), fault))
+                    fill(scratch)
+                    full_disk.append(fault)
                 else:
                     fault.note = "no attempt running"
             else:
@@ -709,11 +714,11 @@ class Soak:
             while not stop.is_set():
                 polls += 1
                 with lock:
-                    if ballast and not any(alive(pid) for pid in ballast[0][1].victims):
-                        ballast.pop(0)  # the attempt that met the full disk has ended
-                        if not ballast:  # a later disk-full fault's attempt keeps the shared file
-                            (scratch / ".ballast").unlink(missing_ok=True)
-                    elif ballast:
+                    if full_disk and not any(alive(pid) for pid in full_disk[0].victims):
+                        full_disk.pop(0)  # the attempt that met the full disk has ended
+                        if not full_disk:  # a later disk-full fault's attempt keeps the shared file
+                            (scratch / BALLAST).unlink(missing_ok=True)
+                    elif full_disk:
                         fill(scratch)  # still full: space freed since (an uploaded checkpoint's staging) is taken
                 # The assets' keys are committed once a run and checked once: every fifth poll looks for new ones
                 # (a listing is a scan of the bucket for the S3 server); the checkpoints' listing is every poll's.
@@ -732,8 +737,8 @@ class Soak:
                 torn.append(f"the soak's watcher failed: {error!r}")
                 with lock:  # nobody polls now: no fault fires, and the disk is not left full
                     pending.clear()
-                    ballast.clear()
-                    (scratch / ".ballast").unlink(missing_ok=True)
+                    full_disk.clear()
+                    (scratch / BALLAST).unlink(missing_ok=True)
 
         watcher = threading.Thread(target=watch, daemon=True)
         started = time.monotonic()
@@ -788,7 +793,7 @@ class Soak:
                 s3_proxy.on_commit = None
             s3_proxy.arm(None, 0)
             mlflow_proxy.down_for(0)
-            (scratch / ".ballast").unlink(missing_ok=True)
+            (scratch / BALLAST).unlink(missing_ok=True)
         seconds = time.monotonic() - started
         materializations = [
             e.event_specific_data.materialization
