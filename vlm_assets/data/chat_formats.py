@@ -40,7 +40,17 @@ ROLES = ("system", "user", "assistant")
 FORMATS = ("auto", "openai", "llava", "hf")
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 IMAGE_MARKER = "<image>"
-MAX_IMAGE_BYTES = int(os.environ.get("VLM_ASSETS_MAX_IMAGE_BYTES", 20 * 2**20))
+
+
+def max_image_bytes(env=os.environ) -> int:
+    """The largest image a chat dataset may fetch, in bytes (``VLM_ASSETS_MAX_IMAGE_BYTES``, default 20 MiB)."""
+    value = env.get("VLM_ASSETS_MAX_IMAGE_BYTES", str(20 * 2**20))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"VLM_ASSETS_MAX_IMAGE_BYTES={value!r}: expected a whole number of bytes, at least 1")
+    return int(value)
+
+
+MAX_IMAGE_BYTES = max_image_bytes()
 FETCH_TIMEOUT_S = 30.0
 FETCH_ATTEMPTS = 3
 

@@ -9,7 +9,15 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from vlm_assets.defs.platform.environment import chunks_per_run, profile, resources_for, schedule_cron, schedule_job
+from vlm_assets.data.chat_formats import max_image_bytes
+from vlm_assets.defs.platform.environment import (
+    chunks_per_run,
+    lease_settings,
+    profile,
+    resources_for,
+    schedule_cron,
+    schedule_job,
+)
 from vlm_assets.defs.platform.profiles import PROFILE_DIR, profile_defaults
 from vlm_assets.paths import offline_data_dir
 from vlm_assets.train.gpt_config import PretrainConfig
@@ -120,6 +128,15 @@ def test_environment_switches(tmp_path, monkeypatch):
     for bad in ("0", "-2", "many"):
         with pytest.raises(ValueError, match=f"VLM_ASSETS_CHUNKS_PER_RUN='{bad}': expected a whole number"):
             chunks_per_run({"VLM_ASSETS_CHUNKS_PER_RUN": bad})
+    assert lease_settings({}) == {"on_busy": "wait", "lease_ttl_s": 120.0}
+    assert lease_settings({"VLM_ASSETS_ON_BUSY": "fail", "VLM_ASSETS_LEASE_TTL_S": "5"})["lease_ttl_s"] == 5.0
+    for variable, bad in [("VLM_ASSETS_ON_BUSY", "skip"), *(("VLM_ASSETS_LEASE_TTL_S", v) for v in ("4", "nan", "2m"))]:
+        with pytest.raises(ValueError, match=f"{variable}='{bad}': expected"):
+            lease_settings({variable: bad})
+    assert max_image_bytes({}) == 20 * 2**20 and max_image_bytes({"VLM_ASSETS_MAX_IMAGE_BYTES": "1024"}) == 1024
+    for bad in ("0", "20MiB"):
+        with pytest.raises(ValueError, match=f"VLM_ASSETS_MAX_IMAGE_BYTES='{bad}': expected a whole number"):
+            max_image_bytes({"VLM_ASSETS_MAX_IMAGE_BYTES": bad})
 
 
 def _defaults_in_a_fresh_process(profile_name: str) -> subprocess.CompletedProcess:

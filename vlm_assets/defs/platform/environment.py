@@ -65,6 +65,21 @@ def chunks_per_run(env: Mapping[str, str] = os.environ) -> int:
     return int(value)
 
 
+def lease_settings(env: Mapping[str, str] = os.environ) -> dict:
+    """The stores' ``on_busy`` (``VLM_ASSETS_ON_BUSY``) and ``lease_ttl_s`` (``VLM_ASSETS_LEASE_TTL_S``), validated."""
+    on_busy = env.get("VLM_ASSETS_ON_BUSY", "wait")
+    if on_busy not in ("wait", "fail"):
+        raise ValueError(f"VLM_ASSETS_ON_BUSY={on_busy!r}: expected 'wait' or 'fail'")
+    ttl = env.get("VLM_ASSETS_LEASE_TTL_S", "120")
+    try:
+        seconds = float(ttl)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 5:  # the stores' own bound, named here by the variable it came from
+        raise ValueError(f"VLM_ASSETS_LEASE_TTL_S={ttl!r}: expected seconds, at least 5")
+    return {"on_busy": on_busy, "lease_ttl_s": seconds}
+
+
 def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.ConfigurableResource]:
     """Build the resources ``env`` configures: ``artifact_store``, ``mlflow`` and ``launcher``.
 
@@ -72,10 +87,7 @@ def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.Configura
     file under the home directory).
     """
     home = home_dir()
-    leases = {
-        "on_busy": env.get("VLM_ASSETS_ON_BUSY", "wait"),
-        "lease_ttl_s": float(env.get("VLM_ASSETS_LEASE_TTL_S", "120")),
-    }
+    leases = lease_settings(env)
     store_kind = env.get("VLM_ASSETS_STORE", "local")
     if store_kind == "local":
         store = LocalArtifactStoreResource(root=str(home / "artifacts"), **leases)
