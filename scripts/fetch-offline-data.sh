@@ -34,7 +34,8 @@ dpkg-deb -x dataset-fashion-mnist_*.deb fmnist
 cp fmnist/usr/share/datasets/fashion-mnist/*-ubyte.gz "$dest.partial/fashion-mnist/"
 
 echo "-- Python 3.11's documentation sources (Debian python3.11-doc)"
-apt-get download python3.11-doc >/dev/null 2>&1
+apt-get download python3.11-doc >/dev/null \
+  || { echo "fetch-offline-data: no python3.11-doc package (Debian 12 bookworm's; README.md)" >&2; exit 1; }
 dpkg-deb -x python3.11-doc_*.deb pydoc
 cp -r pydoc/usr/share/doc/python3.11/html/_sources/. "$dest.partial/python-docs/"
 
