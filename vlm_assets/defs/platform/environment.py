@@ -18,11 +18,12 @@
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import get_args
 
 import dagster as dg
 
 from vlm_assets.defs.platform.launcher import K8sTorchrunLauncher, LocalTorchrunLauncher, TrainingLauncher
-from vlm_assets.defs.platform.storage import LocalArtifactStoreResource, S3ArtifactStoreResource
+from vlm_assets.defs.platform.storage import ArtifactStoreResource, LocalArtifactStoreResource, S3ArtifactStoreResource
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 from vlm_assets.paths import cache_dir, home_dir
 
@@ -67,16 +68,20 @@ def chunks_per_run(env: Mapping[str, str] = os.environ) -> int:
 
 def lease_settings(env: Mapping[str, str] = os.environ) -> dict:
     """The stores' ``on_busy`` (``VLM_ASSETS_ON_BUSY``) and ``lease_ttl_s`` (``VLM_ASSETS_LEASE_TTL_S``), validated."""
-    on_busy = env.get("VLM_ASSETS_ON_BUSY", "wait")
-    if on_busy not in ("wait", "fail"):
-        raise ValueError(f"VLM_ASSETS_ON_BUSY={on_busy!r}: expected 'wait' or 'fail'")
-    ttl = env.get("VLM_ASSETS_LEASE_TTL_S", "120")
+    # Checked against the resource's own fields, whose errors name the field, not the variable.
+    fields = ArtifactStoreResource.model_fields
+    choices = get_args(fields["on_busy"].annotation)
+    least = next(m.ge for m in fields["lease_ttl_s"].metadata if getattr(m, "ge", None) is not None)
+    on_busy = env.get("VLM_ASSETS_ON_BUSY", fields["on_busy"].default)
+    if on_busy not in choices:
+        raise ValueError(f"VLM_ASSETS_ON_BUSY={on_busy!r}: expected one of {choices}")
+    ttl = env.get("VLM_ASSETS_LEASE_TTL_S", str(fields["lease_ttl_s"].default))
     try:
         seconds = float(ttl)
     except ValueError:
         seconds = float("nan")
-    if not seconds >= 5:  # the stores' own bound, named here by the variable it came from
-        raise ValueError(f"VLM_ASSETS_LEASE_TTL_S={ttl!r}: expected seconds, at least 5")
+    if not seconds >= least:
+        raise ValueError(f"VLM_ASSETS_LEASE_TTL_S={ttl!r}: expected seconds, at least {least}")
     return {"on_busy": on_busy, "lease_ttl_s": seconds}
 
 
