@@ -71,8 +71,8 @@ class _Dataset(StreamingDataset):
             raise
 
     def on_exception(self, future: Future) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            self._keep(future.exception())  # kept already by the thread; not re-raised into the logs
+        """Nothing: each thread keeps its own error (``_run_thread``); streaming's would re-raise it into
+        ``concurrent.futures``' log."""
 
     def _raise_thread_error(self) -> None:
         if getattr(self, "_thread_error", None) is not None:
