@@ -8,15 +8,19 @@ through this module.
 
 import os
 import sys
+import traceback
 import types
 from concurrent.futures import Future
 from pathlib import Path
+from time import sleep
 
 if "streaming.vision" not in sys.modules:
     sys.modules["streaming.vision"] = types.ModuleType("streaming.vision")
 
 import streaming  # noqa: E402
 from streaming import LocalDataset, MDSWriter, Stream, StreamingDataset  # noqa: E402
+from streaming.base.dataset import TICK, _ShardState  # noqa: E402
+from streaming.base.stream import Stream as _Stream  # noqa: E402
 from streaming.base.util import clean_stale_shared_memory  # noqa: E402
 
 __all__ = [
@@ -49,7 +53,18 @@ class _Dataset(StreamingDataset):
 
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
         with space_checked(Path(self.streams[self.stream_per_shard[shard_id]].local), "token shards"):
-            super().prepare_shard(shard_id, blocking)
+            try:
+                super().prepare_shard(shard_id, blocking)
+            except BaseException as error:
+                # A download that failed leaves the shard PREPARING in the workers' shared state, and a
+                # peer waiting for it would wait forever: give it back (only when this call was its
+                # downloader), so that the peer downloads it itself, or fails alike.
+                downloading = _Stream.prepare_shard.__code__
+                if any(frame.f_code is downloading for frame, _ in traceback.walk_tb(error.__traceback__)):
+                    with self._cache_filelock:
+                        if self._shard_states[shard_id] == _ShardState.PREPARING:
+                            self._shard_states[shard_id] = _ShardState.REMOTE
+                raise
 
     def _keep(self, error: BaseException) -> None:
         if getattr(self, "_thread_error", None) is None:  # a second thread's error is a consequence
@@ -60,7 +75,30 @@ class _Dataset(StreamingDataset):
         self._run_thread(super()._prepare_thread, it)
 
     def _ready_thread(self, it) -> None:
-        self._run_thread(super()._ready_thread, it)
+        self._run_thread(self._wait_for_shards, it)
+
+    def _wait_for_shards(self, it) -> None:
+        """Streaming's ready loop, which also prepares a shard that went back to REMOTE while it waited.
+
+        Written out because streaming's loop checks for REMOTE once, before it waits for LOCAL: a peer's
+        failed download (given back by ``prepare_shard``) would leave it waiting forever.
+        """
+        while not (it.should_exit() or it.ready_index == it.total or self._event.is_set()):
+            if self.predownload is not None and self.predownload < it.ready_index - it.yield_index:
+                sleep(TICK)
+                continue
+            sample_id = it.sample_ids[it.ready_index]
+            if sample_id != -1:
+                shard_id, _ = self.spanner[sample_id]
+                while self._shard_states[shard_id] != _ShardState.LOCAL:
+                    if self._event.is_set():
+                        break
+                    if self._shard_states[shard_id] == _ShardState.REMOTE:
+                        self.prepare_shard(shard_id, False)
+                    else:
+                        sleep(TICK)
+            it.ready_index += 1
+        it.on_exit()
 
     def _run_thread(self, body, it) -> None:
         try:

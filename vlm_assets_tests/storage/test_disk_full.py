@@ -126,7 +126,7 @@ SHARD_PROBE = textwrap.dedent(
     from vlm_assets_tests.waiting import BOUND_S, wait_until
 
     faulthandler.dump_traceback_later(BOUND_S / 2, exit=True)  # a hang shows where, before the test's bound
-    read_on, stopped_early, random_access, two_workers, artifact = sys.argv[1:6]
+    read_on, stopped_early, random_access, two_workers, one_shard, artifact, one_shard_artifact = sys.argv[1:8]
     out = {}
 
     def epoch(samples, case):
@@ -160,6 +160,10 @@ SHARD_PROBE = textwrap.dedent(
 
     # 4. two DataLoader workers sharing the cache: the loader raises a worker's error
     epoch(build_token_dataloaders(artifact, two_workers, batch_size=1, num_workers=2).train, "two_workers")
+
+    # 5. two workers that need the same one shard: the one whose download fails must not leave the
+    # other waiting for it forever; that one downloads the shard itself, and fails alike
+    epoch(build_token_dataloaders(one_shard_artifact, one_shard, batch_size=1, num_workers=2).train, "one_shard")
     print(json.dumps(out))
     """
 )
@@ -180,14 +184,21 @@ def test_a_full_disk_during_a_shard_download_fails_the_epoch_as_disk_full(offlin
     )  # fmt: skip
     train = summary["splits"]["train"]
     assert train["num_shards"] >= 8  # ~64 KiB each, several times what a 256 KiB cache can hold
-    cases = ("read_on", "next_epoch", "random_access", "two_workers")
+    one_shard = write_token_shards(
+        tmp_path / "one", tokenizer, "gpt2", docs, docs[:50], max_length=64,
+        max_train_samples=None, max_val_samples=50, size_limit=1 << 24,
+    )["splits"]["train"]  # fmt: skip
+    assert one_shard["num_shards"] == 1 and one_shard["num_samples"] == train["num_samples"]
+    cases = ("read_on", "next_epoch", "random_access", "two_workers", "one_shard")
     caches = [tmp_path / case.replace("_", "-") for case in cases]
-    out = on_small_disks(SHARD_PROBE, "256k", caches, tmp_path / "art")
+    out = on_small_disks(SHARD_PROBE, "256k", caches, tmp_path / "art", tmp_path / "one")
     for case, cache in zip(cases, caches, strict=True):
         assert f"{case}_error" in out, f"{case}: the epoch ended after {out.get(case)} samples, no error"
         assert out.get(case, 0) < train["num_samples"]
         error, expected = out[f"{case}_error"], f"no space left on device writing token shards to {cache}/train"
         # a worker's error reaches the loader as its message (after the worker's name), without its errno
-        assert (expected in error) if case == "two_workers" else error.startswith(f"[Errno 28] {expected}"), error
+        assert (
+            (expected in error) if case in ("two_workers", "one_shard") else error.startswith(f"[Errno 28] {expected}")
+        ), error
         rule = rule_for(cause=None, exit_code=1, worker_exit_code=1, tail=out[f"{case}_tail"])
         assert (rule.cause, rule.retry) == ("disk_full", True)
