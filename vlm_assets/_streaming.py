@@ -20,7 +20,6 @@ if "streaming.vision" not in sys.modules:
 import streaming  # noqa: E402
 from streaming import LocalDataset, MDSWriter, Stream, StreamingDataset  # noqa: E402
 from streaming.base.dataset import TICK, _ShardState  # noqa: E402
-from streaming.base.stream import Stream as _Stream  # noqa: E402
 from streaming.base.util import clean_stale_shared_memory  # noqa: E402
 
 __all__ = [
@@ -59,7 +58,7 @@ class _Dataset(StreamingDataset):
                 # A download that failed leaves the shard PREPARING in the workers' shared state, and a
                 # peer waiting for it would wait forever: give it back (only when this call was its
                 # downloader), so that the peer downloads it itself, or fails alike.
-                downloading = _Stream.prepare_shard.__code__
+                downloading = Stream.prepare_shard.__code__
                 if any(frame.f_code is downloading for frame, _ in traceback.walk_tb(error.__traceback__)):
                     with self._cache_filelock:
                         if self._shard_states[shard_id] == _ShardState.PREPARING:
