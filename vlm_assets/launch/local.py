@@ -15,9 +15,11 @@ import dataclasses
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -80,8 +82,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_args(spec: LaunchSpec, endpoint: str, run_id: str) -> list[str]:
-    """torchrun's arguments for one node of ``spec``, meeting at ``endpoint``."""
+def torchrun_args(spec: LaunchSpec, endpoint: str, run_id: str, log_dir: str) -> list[str]:
+    """torchrun's arguments for one node of ``spec``, meeting at ``endpoint``, its workers' error files
+    under ``log_dir``."""
     return [
         f"--nnodes={spec.num_nodes}",
         f"--nproc-per-node={spec.nproc_per_node}",
@@ -91,6 +94,7 @@ def torchrun_args(spec: LaunchSpec, endpoint: str, run_id: str) -> list[str]:
         # is_host=false: the rendezvous store is the launcher's (run_local), not an agent's.
         f"--rdzv-conf=join_timeout={spec.rendezvous_timeout_s},is_host=false",
         "--max-restarts=0",  # a failed job is retried by the orchestrator, from the last checkpoint
+        f"--log-dir={log_dir}",
         "-m",
         spec.module,
         *spec.args,
@@ -128,10 +132,12 @@ def run_local(
     tails = [collections.deque(maxlen=_TAIL_LINES) for _ in range(spec.num_nodes)]
     starter: subprocess.Popen | None = None
     nodes: list = []
+    # torchrun's default is a directory of its own under the temp dir that it never removes, one per launch.
+    log_dir = tempfile.mkdtemp(prefix="torchelastic_")
     try:
         if spec.num_nodes == 1:
             proc = subprocess.Popen(
-                forking_agent(torchrun_args(spec, endpoint, run_id)),
+                forking_agent(torchrun_args(spec, endpoint, run_id, log_dir)),
                 env=full_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -142,7 +148,7 @@ def run_local(
             nodes.append(proc)
             threading.Thread(target=_pump, args=(0, proc.stdout, lines), daemon=True).start()
         else:
-            starter, nodes = _start_forked_nodes(spec, endpoint, run_id, full_env, lines)
+            starter, nodes = _start_forked_nodes(spec, torchrun_args(spec, endpoint, run_id, log_dir), full_env, lines)
         shape = f"{spec.num_nodes} node(s) x {spec.nproc_per_node} process(es)"
         on_line(f"[launcher] {spec.name}: {shape}, rendezvous {endpoint}")
         _supervise(spec, nodes, lines, tails, on_line, canceled)
@@ -156,6 +162,7 @@ def run_local(
             if proc.stdout:
                 proc.stdout.close()
         del rendezvous_store  # only now that no agent is left to use it
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 class _ForkedNode:
@@ -199,7 +206,7 @@ class _ForkedNode:
         return self.returncode
 
 
-def _start_forked_nodes(spec, endpoint, run_id, env, lines) -> tuple[subprocess.Popen, list[_ForkedNode]]:
+def _start_forked_nodes(spec, args, env, lines) -> tuple[subprocess.Popen, list[_ForkedNode]]:
     """Start the nodes as agents forked from one process that imports the trainer once (``lifeline --agents``),
     each node's output on a pipe of its own; return that process and the nodes."""
     from vlm_assets.launch.lifeline import forking_agents  # imported here: see run_local
@@ -209,7 +216,7 @@ def _start_forked_nodes(spec, endpoint, run_id, env, lines) -> tuple[subprocess.
     writes = [w for _, w in pipes]
     try:
         starter = subprocess.Popen(
-            forking_agents(writes, status_write, torchrun_args(spec, endpoint, run_id)),
+            forking_agents(writes, status_write, args),
             env=env,
             stdout=writes[0],
             stderr=subprocess.STDOUT,

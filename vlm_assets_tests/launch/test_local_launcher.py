@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,26 @@ def _pids(lines):
     return [int(line.split(" pid ")[1].split()[0]) for line in lines if " pid " in line]
 
 
+@pytest.fixture
+def temp_dir(tmp_path, monkeypatch) -> Path:
+    """The temp dir of this process and of the launches it makes (their ``TMPDIR``), empty."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.setenv("TMPDIR", str(temp))
+    return temp
+
+
+def _left_in(temp: Path) -> list[str]:
+    """What a launch left in its temp dir, but torch's per-user compile cache, which is meant to stay."""
+    return [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]
+
+
 @pytest.mark.slow
-def test_two_nodes_of_one_process_rendezvous_on_loopback():
+def test_two_nodes_of_one_process_rendezvous_on_loopback(temp_dir):
     lines = []
     run_local(LaunchSpec(WORKER, num_nodes=2, nproc_per_node=1, env=ENV, timeout_s=120), on_line=lines.append)
+    assert _left_in(temp_dir) == []  # torchrun's log dir and its workers' error files went with the launch
     ranks = sorted(line.split("rank ")[1].split()[0] for line in lines if " sum " in line)
     assert ranks == ["0/2", "1/2"]
     assert all(line.endswith("sum 1") for line in lines if " sum " in line)  # 0 + 1: they really met
@@ -32,7 +49,7 @@ def test_two_nodes_of_one_process_rendezvous_on_loopback():
 
 
 @pytest.mark.slow
-def test_a_failing_node_stops_every_node_and_is_reported():
+def test_a_failing_node_stops_every_node_and_is_reported(temp_dir):
     lines = []
     spec = LaunchSpec(WORKER, ("--fail-rank", "1", "--hang"), num_nodes=2, nproc_per_node=1, env=ENV, timeout_s=120)
     with pytest.raises(LaunchFailed) as failure:
@@ -43,6 +60,7 @@ def test_a_failing_node_stops_every_node_and_is_reported():
     assert any("rank 1 failing on purpose" in line for line in err.tail)
     pids = _pids(lines)
     assert len(pids) == 2 and not any(alive(pid) for pid in pids), "a worker outlived the launch"
+    assert _left_in(temp_dir) == []
 
 
 @pytest.mark.slow

@@ -34,11 +34,11 @@ def test_the_failing_rank_is_the_cause_not_its_peers_broken_collective(how, caus
 
 
 @pytest.mark.slow
-def test_a_node_that_never_joins_is_a_retryable_rendezvous_failure():
+def test_a_node_that_never_joins_is_a_retryable_rendezvous_failure(tmp_path):
     """torchrun's own rendezvous timeout: one node of two started, a 3 s join timeout."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
     command += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-conf=join_timeout=3"]
-    command += ["--max-restarts=0", "-m", WORKER]
+    command += ["--max-restarts=0", f"--log-dir={tmp_path}", "-m", WORKER]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**ENV, "PATH": "/usr/bin"})
     assert proc.returncode != 0
     tail = (proc.stdout + proc.stderr).splitlines()
