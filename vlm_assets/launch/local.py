@@ -134,10 +134,11 @@ def run_local(
     nodes: list = []
     # torchrun's default is a directory of its own under the temp dir that it never removes, one per launch.
     log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+    args = torchrun_args(spec, endpoint, run_id, log_dir)
     try:
         if spec.num_nodes == 1:
             proc = subprocess.Popen(
-                forking_agent(torchrun_args(spec, endpoint, run_id, log_dir)),
+                forking_agent(args),
                 env=full_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -148,7 +149,7 @@ def run_local(
             nodes.append(proc)
             threading.Thread(target=_pump, args=(0, proc.stdout, lines), daemon=True).start()
         else:
-            starter, nodes = _start_forked_nodes(spec, torchrun_args(spec, endpoint, run_id, log_dir), full_env, lines)
+            starter, nodes = _start_forked_nodes(spec, args, full_env, lines)
         shape = f"{spec.num_nodes} node(s) x {spec.nproc_per_node} process(es)"
         on_line(f"[launcher] {spec.name}: {shape}, rendezvous {endpoint}")
         _supervise(spec, nodes, lines, tails, on_line, canceled)

@@ -27,7 +27,6 @@ from vlm_assets.storage import ArtifactStore
 from vlm_assets.train.adapter_config import AdapterTrainConfig
 from vlm_assets.train.adapter_module import AdapterModule
 from vlm_assets.train.checkpoints import CHECKPOINT_NAME, StoreCheckpointIO, latest_checkpoint
-from vlm_assets.train.deepspeed_store import deepspeed_strategy
 from vlm_assets.train.entry import TrainerRun, backend, entry_point
 from vlm_assets.train.reporting import Reporter
 
@@ -115,6 +114,10 @@ def build_trainer(run: TrainerRun[AdapterTrainConfig], callbacks, checkpoint_io:
     """Return the adapter's Lightning trainer: DeepSpeed ZeRO-2 or DDP, checkpoints through ``checkpoint_io``."""
     config, cuda = run.config, torch.cuda.is_available()
     if config.parallelism.resolved_strategy(cuda) == "deepspeed":
+        # Imported only here: DeepSpeed's import is about 3 s of a core, on the launch's critical path, and a
+        # CPU launch trains with DDP.
+        from vlm_assets.train.deepspeed_store import deepspeed_strategy
+
         strategy = deepspeed_strategy(checkpoint_io, stage=2, exclude_frozen_parameters=True)
     else:
         strategy = DDPStrategy(process_group_backend=backend(), checkpoint_io=checkpoint_io)
