@@ -32,13 +32,18 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO_SEED = 7  # the demo's own run, the profile's defaults: the adapter's seed 7 (VisualChat's 0)
 
 
-def execute(env: dict, config: Path | None, code: Path = REPO) -> tuple[float, str]:
-    """Wall seconds and log of one `dagster job execute -j main_job` of the checkout ``code``."""
+def execute(env: dict, config: Path | None, code: Path = REPO, huge_pages: bool | None = None) -> tuple[float, str]:
+    """Wall seconds and log of one `dagster job execute -j main_job` of the checkout ``code``.
+
+    ``huge_pages`` sets THP_MEM_ALLOC_ENABLE for the job and its workers; None runs it as the checkout's own
+    scripts do (on only where its bootstrap exports it).
+    """
     command = [sys.executable, "-m", "dagster", "job", "execute", "-m", "vlm_assets.definitions", "-j", "main_job"]
     env = {**env, "PYTHONPATH": str(code)}
-    # As the checkout's own scripts run it: huge pages for torch's tensors only where its bootstrap sets them.
     env.pop("THP_MEM_ALLOC_ENABLE", None)
-    if "THP_MEM_ALLOC_ENABLE" in (code / "scripts" / "bootstrap.sh").read_text():
+    if huge_pages is None:
+        huge_pages = "export THP_MEM_ALLOC_ENABLE" in (code / "scripts" / "bootstrap.sh").read_text()
+    if huge_pages:
         env["THP_MEM_ALLOC_ENABLE"] = "1"
     started = time.perf_counter()
     proc = subprocess.run(

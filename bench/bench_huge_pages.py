@@ -3,11 +3,14 @@ touch of a fresh tensor the size of the demo GPT's logits, and that GPT's loss o
 
     python bench/bench_huge_pages.py                  # 5 fresh processes per setting, alternating
     python bench/bench_huge_pages.py --repeat 9 --write
+    python bench/bench_huge_pages.py --main-job 2 --kernels avx2 --write   # and 2 demo main_jobs each, alternating
 
 A fresh process is what each trainer, check and evaluation of the graph is: its large tensors are new memory.
 The tensor is the size of the logits of the GPT export check's batch (8 x 256 tokens over GPT-2's 50,257); the
 loss is a linear head and a cross entropy over such logits, as the GPT's last layer computes them.
 Each row's figures are medians over the processes of that setting; both settings alternate in one run.
+With ``--main-job N`` it also runs the demo's ``main_job`` N times per setting on fresh homes (the job and
+its training workers all with the setting), alternating, and reports each step's median.
 """
 
 import argparse
@@ -18,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bench_speed
 import results_file
 
 TOKENS, VOCAB, WIDTH = 8 * 256, 50_257, 64
@@ -51,10 +55,12 @@ def one(thp: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5, help="fresh processes per setting")
+    parser.add_argument("--main-job", type=int, default=0, metavar="N", help="demo main_jobs per setting")
+    parser.add_argument("--kernels", default="native", choices=sorted(results_file.KERNELS), help="for --main-job")
     parser.add_argument("--write", action="store_true", help="write bench/results/huge-pages_<machine>_<date>.*")
     args = parser.parse_args()
-    if args.repeat < 1:
-        parser.error("--repeat must be at least 1")
+    if args.repeat < 1 or args.main_job < 0:
+        parser.error("--repeat must be at least 1 and --main-job at least 0")
     runs: dict[str, list[dict]] = {"1": [], "0": []}
     for _ in range(args.repeat):
         for thp in runs:
@@ -78,10 +84,42 @@ def main() -> None:
             for k in names
         ),
     ]
+    jobs: dict[str, list[dict]] = {"1": [], "0": []}
+    for i in range(args.main_job):
+        for thp in jobs if i % 2 == 0 else reversed(jobs):
+            print(f"== main_job, THP_MEM_ALLOC_ENABLE={thp} ({i + 1} of {args.main_job})", flush=True)
+            kernels = results_file.KERNELS[args.kernels]
+            jobs[thp].append(bench_speed.main_job(bench_speed.REPO, kernels, huge_pages=thp == "1"))
+    if args.main_job:
+        steps = sorted(jobs["1"][0]["steps"], key=lambda s: -jobs["1"][0]["steps"][s])
+        job_median = {thp: statistics.median(r["seconds"] for r in rows) for thp, rows in jobs.items()}
+
+        def step_median(thp: str, step: str) -> float:
+            return statistics.median(r["steps"].get(step, float("nan")) for r in jobs[thp])
+
+        lines += [
+            "",
+            f"The demo's `main_job` on fresh homes, {args.kernels} kernels, {args.main_job} per setting, alternating "
+            "(each run's seconds in the json):",
+            "",
+            "| seconds, median | huge pages | 4 KiB pages | huge / 4 KiB |",
+            "|---|---:|---:|---:|",
+            f"| main_job | {job_median['1']:.0f} | {job_median['0']:.0f} | {job_median['1'] / job_median['0']:.2f} |",
+            *(
+                f"| {step} | {step_median('1', step):.1f} | {step_median('0', step):.1f} | "
+                f"{step_median('1', step) / step_median('0', step):.2f} |"
+                for step in steps
+                if step_median("0", step) >= 1
+            ),
+        ]
     print("\n".join(lines))
     if args.write:
         head = results_file.header("bench/bench_huge_pages.py " + " ".join(sys.argv[1:]))
-        print(results_file.write("huge-pages", head, "\n".join(lines), {"runs": runs, "medians": medians}))
+        print(
+            results_file.write(
+                "huge-pages", head, "\n".join(lines), {"runs": runs, "medians": medians, "main_jobs": jobs}
+            )
+        )
 
 
 if __name__ == "__main__":

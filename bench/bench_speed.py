@@ -38,11 +38,11 @@ def worktree(rev: str) -> Path:
     return path
 
 
-def main_job(code: Path, kernels: dict) -> dict:
+def main_job(code: Path, kernels: dict, huge_pages: bool | None = None) -> dict:
     """A fresh home's first main_job run of ``code``: wall seconds and each step's, and the gates' figures."""
     home = Path(tempfile.mkdtemp(prefix="bench-speed-home-"))
     env = {**bench_demo.fresh_home(home), **kernels}
-    seconds, log = bench_demo.execute(env, None, code)
+    seconds, log = bench_demo.execute(env, None, code, huge_pages)
     report = bench_demo.newest(home, "eval_report") / "eval.json"
     chat = bench_demo.newest(home, "visualchat_model") / "eval.json"
     r, c = json.loads(report.read_text()), json.loads(chat.read_text())

@@ -48,9 +48,6 @@ fi
 export PATH="$venv/bin:$PATH"
 export VLM_ASSETS_CACHE="${VLM_ASSETS_CACHE:-$HOME/.cache/vlm_assets}"
 PYTHON="$venv/bin/python" "$repo/scripts/fetch-offline-data.sh"
-# torch's large CPU tensors on transparent huge pages: a fault per 2 MiB, not per 4 KiB, for a fresh
-# logits tensor of hundreds of MB (the launchers set it for their workers too).
-export THP_MEM_ALLOC_ENABLE="${THP_MEM_ALLOC_ENABLE:-1}"
 # Compiled torch extensions, one folder per virtual environment: their build commands name its include
 # paths, so two checkouts sharing one folder would recompile each other's op (20-40 s) at every switch.
 export MLFLOW_DISABLE_TELEMETRY=true MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR=false HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" \

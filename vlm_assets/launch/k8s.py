@@ -90,7 +90,7 @@ class PodSettings(BaseModel):
     )
     python: str = Field(default="python", description="The Python interpreter in the image.")
     env: dict[str, str] = Field(
-        default_factory=lambda: {"OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"},
+        default_factory=lambda: {"OMP_NUM_THREADS": "1"},
         description="Literal, non-secret environment of every training process (see LocalTorchrunLauncher.env).",
     )
     forward_env: list[str] = Field(

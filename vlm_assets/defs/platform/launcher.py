@@ -121,11 +121,10 @@ class LocalTorchrunLauncher(TrainingLauncher):
     """One ``torchrun`` per node on this machine, c10d rendezvous on loopback; gloo on CPU, NCCL on GPUs."""
 
     env: dict[str, str] = Field(
-        default_factory=lambda: {"OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"},
+        default_factory=lambda: {"OMP_NUM_THREADS": "1"},
         description=(
-            "Extra environment for every worker. OMP_NUM_THREADS=1 stops CPU workers oversubscribing cores; "
-            "THP_MEM_ALLOC_ENABLE=1 backs torch's large CPU tensors with transparent huge pages (on CPU a "
-            "fresh logits tensor otherwise costs more in page faults than in arithmetic)."
+            "Extra environment for every worker. OMP_NUM_THREADS=1 stops CPU workers oversubscribing cores "
+            "(huge pages for torch's CPU tensors: docs/performance.md, 'Where the time goes')."
         ),
     )
 
