@@ -61,6 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeat < 1 or args.main_job < 0:
         parser.error("--repeat must be at least 1 and --main-job at least 0")
+    head = results_file.header("bench/bench_huge_pages.py " + " ".join(sys.argv[1:]))  # the code as it began
     runs: dict[str, list[dict]] = {"1": [], "0": []}
     for _ in range(args.repeat):
         for thp in runs:
@@ -114,7 +115,6 @@ def main() -> None:
         ]
     print("\n".join(lines))
     if args.write:
-        head = results_file.header("bench/bench_huge_pages.py " + " ".join(sys.argv[1:]))
         print(
             results_file.write(
                 "huge-pages", head, "\n".join(lines), {"runs": runs, "medians": medians, "main_jobs": jobs}

@@ -40,12 +40,13 @@ def worktree(rev: str) -> Path:
 
 def main_job(code: Path, kernels: dict, huge_pages: bool | None = None) -> dict:
     """A fresh home's first main_job run of ``code``: wall seconds and each step's, and the gates' figures."""
-    home = Path(tempfile.mkdtemp(prefix="bench-speed-home-"))
-    env = {**bench_demo.fresh_home(home), **kernels}
-    seconds, log = bench_demo.execute(env, None, code, huge_pages)
-    report = bench_demo.newest(home, "eval_report") / "eval.json"
-    chat = bench_demo.newest(home, "visualchat_model") / "eval.json"
-    r, c = json.loads(report.read_text()), json.loads(chat.read_text())
+    with tempfile.TemporaryDirectory(prefix="bench-speed-home-") as tmp:
+        home = Path(tmp)
+        env = {**bench_demo.fresh_home(home), **kernels}
+        seconds, log = bench_demo.execute(env, None, code, huge_pages)
+        report = bench_demo.newest(home, "eval_report") / "eval.json"
+        chat = bench_demo.newest(home, "visualchat_model") / "eval.json"
+        r, c = json.loads(report.read_text()), json.loads(chat.read_text())
     return {
         "seconds": seconds,
         "steps": bench_demo.step_seconds(log),
@@ -186,6 +187,8 @@ def main() -> None:
     if "avx2" in args.kernels and not avx512:
         print("this CPU has no AVX-512: its native kernels are the AVX2 ones; measuring `native` only")
         args.kernels = sorted(set(args.kernels) - {"avx2"} | {"native"})
+    # The header names the code as it was when the runs began: a commit made during them ran nowhere.
+    head = results_file.header(" ".join(["bench/bench_speed.py", *sys.argv[1:]]))
     baseline = worktree(args.baseline)
     rev = subprocess.run(["git", "rev-parse", args.baseline], cwd=REPO, capture_output=True, text=True)
     codes = {f"baseline {rev.stdout.strip()[:10]}": baseline, "this checkout": REPO}
@@ -211,7 +214,6 @@ def main() -> None:
     markdown = report(results, ran)
     print(markdown)
     if args.write:
-        head = results_file.header(" ".join(["bench/bench_speed.py", *sys.argv[1:]]))
         data = {"baseline": rev.stdout.strip(), "kernels_ran": ran, "results": results}
         print(f"wrote {results_file.write('speed', head, markdown, data)}")
 
