@@ -6,13 +6,18 @@ empty placeholder module is registered before the first ``import streaming``. Im
 through this module.
 """
 
+import fcntl
 import os
 import sys
+import tempfile
 import traceback
 import types
 from concurrent.futures import Future
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from time import sleep
+
+import torch.distributed
 
 if "streaming.vision" not in sys.modules:
     sys.modules["streaming.vision"] = types.ModuleType("streaming.vision")
@@ -21,6 +26,7 @@ import streaming  # noqa: E402
 from streaming import LocalDataset, MDSWriter, Stream, StreamingDataset  # noqa: E402
 from streaming.base.dataset import TICK, _ShardState  # noqa: E402
 from streaming.base.util import clean_stale_shared_memory  # noqa: E402
+from streaming.base.world import World  # noqa: E402
 
 __all__ = [
     "LocalDataset",
@@ -28,6 +34,7 @@ __all__ = [
     "Stream",
     "StreamingDataset",
     "clean_stale_shared_memory",
+    "registration_lock_path",
     "streaming",
     "streaming_dataset",
 ]
@@ -136,21 +143,68 @@ class _Dataset(StreamingDataset):
 
 
 def streaming_dataset(**kwargs) -> StreamingDataset:
-    """``StreamingDataset(**kwargs)``, aware of nodes that share one host.
+    """``StreamingDataset(**kwargs)``, registered on its host while no other dataset registers there.
 
-    Streaming coordinates through POSIX shared memory, one set per host, created by each node's local
-    rank 0. When several torchrun nodes run on one machine (the local launcher's ``num_nodes > 1``,
-    which sets ``VLM_ASSETS_NODES_SHARE_HOST=1``), their local leaders would create the same segments
-    and collide. So while the dataset detects its world (only in ``__init__``), it is shown the truth:
-    one host with ``WORLD_SIZE`` ranks. Samples are still partitioned over all ranks.
+    Streaming coordinates through POSIX shared memory, one set of segments per host and dataset, under a
+    prefix that each rank finds free by scanning ``/dev/shm``, and that the host's local leader then
+    creates. Two jobs that register at once on one host find the same prefix, and the later leader dies
+    with ``FileExistsError``: so the leader holds a host-wide lock (``registration_lock_path``) from
+    before any of its ranks scans until its segments exist.
+
+    When several torchrun nodes run on one machine (the local launcher's ``num_nodes > 1``, which sets
+    ``VLM_ASSETS_NODES_SHARE_HOST=1``), their local leaders would create the same segments and collide.
+    So while the dataset detects its world (only in ``__init__``), it is shown the truth: one host with
+    ``WORLD_SIZE`` ranks. Samples are still partitioned over all ranks.
     """
-    if os.environ.get(SHARED_HOST_ENV) != "1":
+    with _world_of_this_host(), _registration():
         return _Dataset(**kwargs)
+
+
+def registration_lock_path() -> Path:
+    """The file whose lock one dataset's registration on this host holds (beside the segments)."""
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / "vlm_assets_streaming_registration.lock"
+
+
+@contextmanager
+def _registration():
+    """Hold this host's registration lock (its local leader does) around one dataset's ``__init__``.
+
+    The other ranks wait at a barrier until their leader holds it, so none of them scans before.
+    Streaming has no hook between its scan and its creation, hence a lock around the whole of it.
+    """
+    with ExitStack() as held:
+        if World.detect().is_local_leader:
+            fd = _open_lock(registration_lock_path())
+            held.callback(os.close, fd)  # closing the descriptor releases the lock
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        yield
+
+
+def _open_lock(path: Path) -> int:
+    """A read-only descriptor of ``path``, created readable by all: every user's jobs lock it."""
+    try:  # without O_CREAT first: fs.protected_regular refuses it on another user's file in /dev/shm
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+        with suppress(PermissionError):  # created meanwhile by another user
+            os.fchmod(fd, 0o666)  # the umask's bits back
+        return fd
+
+
+@contextmanager
+def _world_of_this_host():
+    """Show ranks of nodes that share this host (``VLM_ASSETS_NODES_SHARE_HOST=1``) one node."""
+    if os.environ.get(SHARED_HOST_ENV) != "1":
+        yield
+        return
     saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     os.environ["LOCAL_RANK"] = os.environ.get("RANK", "0")
     os.environ["LOCAL_WORLD_SIZE"] = os.environ.get("WORLD_SIZE", "1")
     try:
-        return _Dataset(**kwargs)
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
