@@ -2,6 +2,7 @@
 
 import fcntl
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -85,8 +86,9 @@ def test_a_dataset_registers_after_one_that_registers_meanwhile_on_its_host(offl
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                  str(tmp_path / "job.py"), str(tmp_path / "art" / "train"), str(tmp_path / "cache")],
                 stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                start_new_session=True,
             )  # fmt: skip
-        stack.callback(lambda: job.poll() is None and job.kill())
+        stack.callback(lambda: job.poll() is None and os.killpg(job.pid, signal.SIGKILL))  # its workers too
         wait_until(
             lambda: "scanned" in out.read_text() or _waits_for(lock, job.pid) or job.poll() is not None,
             "the job's leader to wait for the registration lock",
