@@ -292,13 +292,14 @@ class IsolatedEnv:
 
     def __init__(self, root: Path, graph: list, mlflow_uri: str | None = None):
         from vlm_assets.defs.platform.launcher import LocalTorchrunLauncher
-        from vlm_assets.defs.platform.storage import LocalArtifactStoreResource
+        from vlm_assets.defs.platform.storage import LocalArtifactStoreResource, artifact_io_manager
         from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 
         self.root, self.graph = root, graph
         self.uri = mlflow_uri or f"sqlite:///{root / 'mlflow.db'}"
         self.resources = {
             "artifact_store": LocalArtifactStoreResource(root=str(root / "artifacts")),
+            "io_manager": artifact_io_manager,
             "mlflow": MlflowTrackingResource(tracking_uri=self.uri, artifact_location=(root / "mlruns").as_uri()),
             "launcher": LocalTorchrunLauncher(),
         }

@@ -23,7 +23,12 @@ from typing import get_args
 import dagster as dg
 
 from vlm_assets.defs.platform.launcher import K8sTorchrunLauncher, LocalTorchrunLauncher, TrainingLauncher
-from vlm_assets.defs.platform.storage import ArtifactStoreResource, LocalArtifactStoreResource, S3ArtifactStoreResource
+from vlm_assets.defs.platform.storage import (
+    ArtifactStoreResource,
+    LocalArtifactStoreResource,
+    S3ArtifactStoreResource,
+    artifact_io_manager,
+)
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource
 from vlm_assets.paths import cache_dir, home_dir
 
@@ -85,8 +90,8 @@ def lease_settings(env: Mapping[str, str] = os.environ) -> dict:
     return {"on_busy": on_busy, "lease_ttl_s": seconds}
 
 
-def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.ConfigurableResource]:
-    """Build the resources ``env`` configures: ``artifact_store``, ``mlflow`` and ``launcher``.
+def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.ConfigurableResource | dg.IOManagerDefinition]:
+    """Build the resources ``env`` configures: ``artifact_store`` (and ``io_manager`` on it), ``mlflow``, ``launcher``.
 
     ``VLM_ASSETS_STORE`` picks a local or S3 store; ``MLFLOW_TRACKING_URI`` the tracking store (default a SQLite
     file under the home directory).
@@ -120,7 +125,12 @@ def resources_for(env: Mapping[str, str] = os.environ) -> dict[str, dg.Configura
         experiment_name=env.get("MLFLOW_EXPERIMENT_NAME", "vlm_assets"),
         artifact_location=env.get("VLM_ASSETS_MLFLOW_ARTIFACTS") or (None if server else (home / "mlruns").as_uri()),
     )
-    return {"artifact_store": store, "mlflow": tracking, "launcher": launcher_for(env)}
+    return {
+        "artifact_store": store,
+        "io_manager": artifact_io_manager,
+        "mlflow": tracking,
+        "launcher": launcher_for(env),
+    }
 
 
 def launcher_for(env: Mapping[str, str] = os.environ) -> TrainingLauncher:

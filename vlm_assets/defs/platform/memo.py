@@ -33,7 +33,7 @@ from vlm_assets.defs.platform.checks import Check, Judged, check_specs, judge
 from vlm_assets.defs.platform.launcher import run_canceled
 from vlm_assets.defs.platform.profiles import ProfileDefaults
 from vlm_assets.defs.platform.reaper import fail_dead_run
-from vlm_assets.defs.platform.storage import ArtifactStoreResource
+from vlm_assets.defs.platform.storage import ArtifactStoreResource, read_artifact
 from vlm_assets.defs.platform.tracking import MlflowTrackingResource, TrackedRun
 from vlm_assets.launch.local import CANCEL_POLL_S
 from vlm_assets.memo import cache_key
@@ -127,29 +127,6 @@ def upstream_choices(config_type: type) -> dict[str, type[UpstreamAsset]]:
     }
 
 
-def upstream_ref(context: dg.AssetExecutionContext, store: ArtifactStore, asset: str) -> ArtifactRef:
-    """Return the artifact an asset reads from ``asset``, an upstream it names in ``deps``.
-
-    Such an edge is read only when the asset's config says so. The artifact is that of ``asset``'s
-    materialization in this run if it has one, else of its latest. (This run's first: another run may have
-    materialized ``asset`` with another config meanwhile.)
-    """
-    asset_key = dg.AssetKey(asset)
-    in_run = [
-        entry
-        for entry in context.instance.all_logs(context.run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
-        if entry.dagster_event.asset_key == asset_key
-    ]
-    event = in_run[-1] if in_run else context.instance.get_latest_materialization_event(asset_key)
-    key = event.asset_materialization.metadata.get("cache_key") if event is not None else None
-    if key is None or not store.exists(key.value):
-        raise ValueError(
-            f"{context.asset_key.to_user_string()} reads {asset}, which has no materialized artifact "
-            f"in this store: materialize {asset} first (main_job does)"
-        )
-    return store.ref(key.value)
-
-
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One build of a memoized asset, as its build function sees it.
@@ -221,7 +198,9 @@ def memoized_asset(
         with bad_input_fails_fast():
             for field in choices:
                 if (picked := getattr(config, field)) is not None:
-                    upstream[picked.value] = upstream_ref(context, store, picked.value)
+                    upstream[picked.value] = read_artifact(
+                        context.instance, context.run, store, dg.AssetKey(picked.value), name
+                    )
             if resolve is not None:
                 upstream.update(resolve(context, config, store))
         key = artifact_key(context, config, upstream)

@@ -6,7 +6,7 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import Field
 
-from vlm_assets.storage import ArtifactStore, LocalArtifactStore, S3ArtifactStore
+from vlm_assets.storage import ArtifactRef, ArtifactStore, LocalArtifactStore, S3ArtifactStore
 
 
 class ArtifactStoreResource(dg.ConfigurableResource, ABC):
@@ -96,3 +96,71 @@ class S3ArtifactStoreResource(ArtifactStoreResource):
             "endpoint_url": self.endpoint_url,
             "region_name": self.region_name,
         }
+
+
+def read_artifact(
+    instance: dg.DagsterInstance, run: dg.DagsterRun, store: ArtifactStore, asset: dg.AssetKey, reader: str
+) -> ArtifactRef:
+    """Return the artifact ``reader`` reads from ``asset``: that of ``asset``'s materialization in ``run``,
+    else in the run ``run`` re-executes (and so on up), else of its latest.
+
+    This run's first: another run may have materialized ``asset`` with another config meanwhile. Raises
+    ``ValueError`` when there is none in ``store``."""
+    event = None
+    while run is not None and event is None:
+        in_run = [
+            entry
+            for entry in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
+            if entry.dagster_event.asset_key == asset
+        ]
+        event = in_run[-1] if in_run else None
+        run = instance.get_run_by_id(run.parent_run_id) if run.parent_run_id else None
+    event = event or instance.get_latest_materialization_event(asset)
+    key = event.asset_materialization.metadata.get("cache_key") if event is not None else None
+    if key is None or not store.exists(key.value):
+        name = asset.to_user_string()
+        raise ValueError(
+            f"{reader} reads {name}, which has no materialized artifact in this store: "
+            f"materialize {name} first (main_job does)"
+        )
+    return store.ref(key.value)
+
+
+class ArtifactIOManager(dg.IOManager):
+    """Pass an artifact between steps as its key: a step reads what its upstream materialized in its run.
+
+    The upstream step has committed the artifact to the store and recorded its key in its materialization
+    (``cache_key``), so there is nothing to write; an input is read back by ``read_artifact``. Dagster's
+    filesystem IO manager keeps one pickle per asset, shared by every run: a step would read the artifact
+    of another run that materialized its upstream meanwhile (another corpus, another model)."""
+
+    def handle_output(self, context: dg.OutputContext, obj: Any) -> None:
+        """Write nothing: the artifact is in the store, its key in the materialization."""
+        if obj is not None and not isinstance(obj, ArtifactRef):
+            raise TypeError(
+                f"{context.asset_key.to_user_string()} returned a {type(obj).__name__}: assets here return "
+                "their artifact (memoized_asset) or a MaterializeResult"
+            )
+
+    def load_input(self, context: dg.InputContext) -> ArtifactRef:
+        """Return the upstream's artifact of this run (``read_artifact``)."""
+        step = context.step_context
+        reader = step.step.key
+        try:
+            return read_artifact(
+                context.instance,
+                step.dagster_run,
+                context.resources.artifact_store.get_store(),
+                context.asset_key,
+                reader,
+            )
+        except ValueError as err:  # a missing upstream: materializing it is the fix, not retrying
+            raise dg.Failure(description=str(err), allow_retries=False) from None
+
+
+# By resource key, not as a nested resource: a run that swaps in another ``artifact_store`` reads from that one.
+artifact_io_manager = dg.IOManagerDefinition(
+    resource_fn=lambda _: ArtifactIOManager(),
+    required_resource_keys={"artifact_store"},
+    description="Passes artifacts between steps by key: a step reads its upstream's artifact of its own run.",
+)
