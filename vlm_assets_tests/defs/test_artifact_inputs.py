@@ -1,6 +1,7 @@
 """A step reads the artifact its upstream materialized in its own run, whatever other runs materialize
-meanwhile (vlm_assets/defs/platform/storage.py's ``ArtifactIOManager``), on a real instance: sqlite
-storage, the definitions' resources, two runs at once."""
+meanwhile; a retry, that of the run it retries; a run without the upstream, the latest
+(vlm_assets/defs/platform/storage.py's ``artifact_io_manager``), on a real instance: sqlite storage,
+the definitions' resources, two runs at once."""
 
 import json
 import threading
@@ -50,12 +51,18 @@ def _config(number: int) -> dict:
     return {"ops": {"corpus": {"config": {"number": number}}}}
 
 
-def test_a_step_reads_its_own_runs_upstream_while_another_run_materializes_it_anew(tmp_path, monkeypatch):
+@pytest.fixture
+def instance(tmp_path, monkeypatch):
+    """A persistent instance (sqlite) under ``tmp_path``, with the store and MLflow of the definitions there."""
     monkeypatch.setenv("VLM_ASSETS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    resources = resources_for({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
-    instance = dg.DagsterInstance.from_config(str(tmp_path))
-    reached.clear(), proceed.clear()
+    reached.clear(), proceed.clear(), fail.clear()
+    return dg.DagsterInstance.from_config(str(tmp_path))
+
+
+def test_a_step_reads_its_own_runs_upstream_while_another_run_materializes_it_anew(instance):
+    resources = resources_for()
 
     first = []
     run = threading.Thread(
@@ -94,12 +101,8 @@ def graph() -> dg.JobDefinition:
     ).resolve_job_def("graph")
 
 
-def test_a_retry_from_failure_reads_the_upstream_of_the_run_it_retries(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLM_ASSETS_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    instance = dg.DagsterInstance.from_config(str(tmp_path))
-    reached.clear(), proceed.set(), fail.set()
+def test_a_retry_from_failure_reads_the_upstream_of_the_run_it_retries(instance):
+    proceed.set(), fail.set()
     job = dg.reconstructable(graph)
     with dg.execute_job(job, instance, run_config=_config(5), raise_on_error=False) as failed:
         assert not failed.success
@@ -112,25 +115,18 @@ def test_a_retry_from_failure_reads_the_upstream_of_the_run_it_retries(tmp_path,
         assert retried.asset_materializations_for_node("trained")[0].metadata["read"].value == 5
 
 
-def test_a_run_of_the_downstream_alone_reads_the_latest_materialization(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLM_ASSETS_HOME", str(tmp_path / "home"))
-    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    resources = resources_for({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
-    instance = dg.DagsterInstance.from_config(str(tmp_path))
+def test_a_run_of_the_downstream_alone_reads_the_latest_materialization(instance):
+    resources = resources_for()
     for number in (3, 4):
         assert dg.materialize([corpus], instance=instance, resources=resources, run_config=_config(number)).success
-    reached.clear(), proceed.set()
+    proceed.set()
     alone = dg.materialize(
         [corpus, gate, trained], selection=["gate", "trained"], instance=instance, resources=resources
     )
     assert alone.asset_materializations_for_node("trained")[0].metadata["read"].value == 4
 
 
-def test_an_upstream_never_materialized_fails_naming_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLM_ASSETS_HOME", str(tmp_path / "home"))
-    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    resources = resources_for({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
-    instance = dg.DagsterInstance.from_config(str(tmp_path))
-    reached.clear(), proceed.set()
-    with pytest.raises(Exception, match="trained reads corpus, which has no materialized artifact"):
-        dg.materialize([corpus, gate, trained], selection=["trained"], instance=instance, resources=resources)
+def test_an_upstream_never_materialized_fails_naming_it(instance):
+    proceed.set()
+    with pytest.raises(dg.Failure, match="trained reads corpus, which has no materialized artifact"):
+        dg.materialize([corpus, gate, trained], selection=["trained"], instance=instance, resources=resources_for())
