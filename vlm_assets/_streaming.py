@@ -6,14 +6,13 @@ empty placeholder module is registered before the first ``import streaming``. Im
 through this module.
 """
 
-import fcntl
 import os
 import sys
 import tempfile
 import traceback
 import types
 from concurrent.futures import Future
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from time import sleep
 
@@ -41,6 +40,7 @@ __all__ = [
 
 from vlm_assets.launch.spec import SHARED_HOST_ENV  # noqa: E402
 from vlm_assets.storage.disk import space_checked  # noqa: E402
+from vlm_assets.storage.locks import host_lock  # noqa: E402
 
 
 class _Dataset(StreamingDataset):
@@ -175,23 +175,10 @@ def _registration():
     """
     with ExitStack() as held:
         if World.detect().is_local_leader:
-            fd = _open_lock(registration_lock_path())
-            held.callback(os.close, fd)  # closing the descriptor releases the lock
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            held.enter_context(host_lock(registration_lock_path()))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
         yield
-
-
-def _open_lock(path: Path) -> int:
-    """A read-only descriptor of ``path``, created readable by all: every user's jobs lock it."""
-    try:  # without O_CREAT first: fs.protected_regular refuses it on another user's file in /dev/shm
-        return os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
-        with suppress(PermissionError):  # created meanwhile by another user
-            os.fchmod(fd, 0o666)  # the umask's bits back
-        return fd
 
 
 @contextmanager

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -29,6 +28,7 @@ from typing import Any
 
 from vlm_assets.storage.disk import staged_write
 from vlm_assets.storage.lease import Lease, LeaseState
+from vlm_assets.storage.locks import host_lock
 from vlm_assets.storage.scratch import held_dir
 
 MANIFEST_NAME = "_COMPLETE.json"
@@ -263,7 +263,7 @@ class LocalArtifactStore(ArtifactStore):
             staging = copy
         (staging / MANIFEST_NAME).write_text(manifest.to_json())
         target.parent.mkdir(parents=True, exist_ok=True)
-        with _flock(self._lease_path(key).with_suffix(".publish")):  # one publisher of a key at a time
+        with host_lock(self._lease_path(key).with_suffix(".publish")):  # one publisher of a key at a time
             with contextlib.suppress(ArtifactNotFoundError):
                 return self.read_manifest(key)  # complete already: the first commit wins
             if target.exists():  # an incomplete leftover of a crash: move it aside (atomic), then drop it
@@ -292,7 +292,7 @@ class LocalArtifactStore(ArtifactStore):
     @contextlib.contextmanager
     def _lease_guard(self, key: str) -> Iterator[Path]:
         path = self._lease_path(key)
-        with _flock(path.with_suffix(".guard")):
+        with host_lock(path.with_suffix(".guard")):
             yield path
 
     def list_leases(self) -> list[LeaseState]:
@@ -354,17 +354,6 @@ class LocalArtifactStore(ArtifactStore):
         target = self._dir(key)
         (target / MANIFEST_NAME).unlink(missing_ok=True)
         shutil.rmtree(target, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``path`` (created if needed) for one host's processes."""
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def verify_files(root: Path, manifest: ArtifactManifest) -> None:

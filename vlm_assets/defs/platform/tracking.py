@@ -2,7 +2,6 @@
 
 import base64
 import contextlib
-import fcntl
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -10,6 +9,8 @@ from typing import Any
 
 import dagster as dg
 from pydantic import Field, PrivateAttr
+
+from vlm_assets.storage.locks import host_lock
 
 
 def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -32,12 +33,8 @@ def _sqlite_migration_lock(tracking_uri: str) -> Iterator[None]:
         return
     db = Path(tracking_uri.removeprefix("sqlite:///"))
     db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with host_lock(db.with_name(db.name + ".lock")):
+        yield
 
 
 class TrackedRun:
