@@ -293,9 +293,9 @@ def test_every_bad_chat_record_of_every_format_fails_the_asset_naming_it(pipelin
 
 
 def test_a_deps_upstream_is_read_from_this_run_before_a_newer_one_elsewhere(embedded, offline_data):
-    """`decoder: gpt_checkpoint` and `backbone: visualchat` read their upstream through `upstream_ref`:
+    """`decoder: gpt_checkpoint` and `backbone: visualchat` read their upstream through `read_artifact`:
     this run's materialization of it wins over a newer one of another run (another config)."""
-    from vlm_assets.defs.platform.memo import upstream_ref
+    from vlm_assets.defs.platform.storage import read_artifact
 
     def manifests(num_train):
         return {
@@ -321,10 +321,13 @@ def test_a_deps_upstream_is_read_from_this_run_before_a_newer_one_elsewhere(embe
         )
 
     @dg.asset(deps=[interloper])
-    def reader(context: dg.AssetExecutionContext, artifact_store: ArtifactStoreResource) -> str:
-        return upstream_ref(context, artifact_store.get_store(), "occlusion_manifests").key
+    def reader(context: dg.AssetExecutionContext, artifact_store: ArtifactStoreResource) -> dg.MaterializeResult:
+        store, asset = artifact_store.get_store(), dg.AssetKey("occlusion_manifests")
+        return dg.MaterializeResult(
+            metadata={"read": read_artifact(context.instance, context.run, store, asset, "reader").key}
+        )
 
     result = embedded.materialize([occlusion_manifests, interloper, reader], manifests(30))
-    assert result.output_for_node("reader") == meta(result, "occlusion_manifests")["cache_key"] != other_key
+    assert meta(result, "reader")["read"] == meta(result, "occlusion_manifests")["cache_key"] != other_key
     latest = embedded.instance.get_latest_materialization_event(dg.AssetKey("occlusion_manifests"))
     assert latest.asset_materialization.metadata["cache_key"].value == other_key
