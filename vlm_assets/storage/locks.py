@@ -13,7 +13,7 @@ def host_lock(path: Path) -> Iterator[None]:
 
     The kernel releases it when the descriptor closes, so a killed holder frees it at once.
     """
-    fd = _open_readable(path)
+    fd = _open_lockable(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -21,12 +21,19 @@ def host_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _open_readable(path: Path) -> int:
-    """A read-only descriptor of ``path``, created readable by all: every user's processes lock it."""
+def _open_lockable(path: Path) -> int:
+    """A descriptor of ``path`` to lock: read-write where allowed (NFS takes an ``flock`` as a write lock),
+    read-only on another user's file; created readable by all, so every user's processes lock it."""
     try:  # without O_CREAT first: fs.protected_regular refuses it on another user's file in /dev/shm
+        return os.open(path, os.O_RDWR)
+    except PermissionError:
         return os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
-        with contextlib.suppress(PermissionError):  # created meanwhile by another user
-            os.fchmod(fd, 0o644)  # readable by all whatever the umask
-        return fd
+        pass
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError:  # another user created it meanwhile
+        return os.open(path, os.O_RDONLY)
+    with contextlib.suppress(PermissionError):
+        os.fchmod(fd, 0o644)  # readable by all whatever the umask
+    return fd

@@ -130,3 +130,21 @@ def test_an_upstream_never_materialized_fails_naming_it(instance):
     proceed.set()
     with pytest.raises(dg.Failure, match="trained reads corpus, which has no materialized artifact"):
         dg.materialize([corpus, gate, trained], selection=["trained"], instance=instance, resources=resources_for())
+
+
+pieces = dg.StaticPartitionsDefinition(["a", "b"])
+
+
+@dg.asset(partitions_def=pieces)
+def piece() -> dg.MaterializeResult:
+    return dg.MaterializeResult()
+
+
+@dg.asset(ins={"piece": dg.AssetIn("piece")})
+def whole(piece: ArtifactRef) -> dg.MaterializeResult:
+    return dg.MaterializeResult()
+
+
+def test_a_partitioned_input_fails_naming_the_way_to_read_it(instance):
+    with pytest.raises(dg.Failure, match="whole reads the partitioned piece as an input: declare it in deps"):
+        dg.materialize([piece, whole], selection=["whole"], instance=instance, resources=resources_for())

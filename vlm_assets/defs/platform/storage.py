@@ -146,6 +146,12 @@ class ArtifactIOManager(dg.IOManager):
         """Return the upstream's artifact of this run (``read_artifact``)."""
         step = context.step_context
         reader = step.step.key
+        if context.has_asset_partitions:  # read_artifact knows no partitions: such an edge needs a ``resolve``
+            raise dg.Failure(
+                f"{reader} reads the partitioned {context.asset_key.to_user_string()} as an input: declare it "
+                "in deps and read its partitions with memoized_asset's resolve",
+                allow_retries=False,
+            )
         try:
             return read_artifact(
                 context.instance,
